@@ -1,0 +1,32 @@
+"""h2o-kv: a bounded KV cache for Hugging Face causal LMs with Heavy-Hitter Oracle eviction.
+
+model, tokenizer = h2o_kv.load_model("smollm2-135m")
+cache = h2o_kv.KVCache(h2o_kv.H2O(heavy=64, recent=64))
+model.generate(**inputs, past_key_values=cache, max_new_tokens=200)
+"""
+
+from .attention import enable, is_enabled
+from .cache import KVCache
+from .policies import H2O, TOVA, Full, Local, Policy, StreamingLLM
+
+
+def load_model(*args, **kwargs):
+    """Load a causal LM and its tokenizer, ready for h2o-kv (see `h2o_kv.models.load_model`)."""
+    from .models import load_model as _load
+
+    return _load(*args, **kwargs)
+
+
+__all__ = [
+    "KVCache",
+    "enable",
+    "is_enabled",
+    "load_model",
+    "Policy",
+    "H2O",
+    "Local",
+    "StreamingLLM",
+    "TOVA",
+    "Full",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,66 @@
+"""The interface every eviction policy implements (see shared EVICTION.md, "Policies").
+
+A policy is a small frozen dataclass. It says how many tokens a (sequence, KV head) may keep
+(`capacity`) and, when there are too many, which go first (`priority`: lowest is evicted first,
+ties go to the oldest token). The cache does the bookkeeping; a policy only ranks tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+
+@dataclass(frozen=True)
+class SlotState:
+    """What a policy may look at, per (sequence, KV head, slot). Empty slots are masked by the cache."""
+
+    pos: torch.Tensor  # [B, H, S] int64 absolute position of the token in each slot, -1 if empty
+    score: torch.Tensor  # [B, H, S] float32 attention accumulated since the token arrived
+    last: torch.Tensor | None  # [B, H, S] float32 attention from the most recent query, if needed
+    next_pos: torch.Tensor  # [B, 1, 1] int64 position the next token of each sequence will take
+    prompt_len: torch.Tensor  # [B, 1, 1] int64 real tokens in the first call (for ratio budgets)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Base class. Subclasses set `needs_scores` / `needs_last` so the cache only gathers what is used."""
+
+    needs_scores: ClassVar[bool] = False
+    needs_last: ClassVar[bool] = False
+
+    def capacity(self, prompt_len: torch.Tensor) -> torch.Tensor | None:
+        """Most tokens kept per (sequence, KV head), one value per sequence; None means unbounded."""
+        raise NotImplementedError
+
+    def priority(self, state: SlotState) -> torch.Tensor:
+        """[B, H, S] float keep-priority: the lowest is evicted first (ties: the oldest)."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """Short human-readable form, used by the CLI and result tables."""
+        return repr(self)
+
+
+def check_budget(name: str, value: int | None, *, allow_zero: bool = False) -> None:
+    """Reject budgets that cannot mean anything, before any cache is touched."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def check_ratio(name: str, value: float | None) -> None:
+    if value is None:
+        return
+    if not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"{name} must be a fraction in [0, 1], got {value!r}")
+
+
+def ratio_of(ratio: float, prompt_len: torch.Tensor) -> torch.Tensor:
+    """floor(ratio * prompt length), as the reference code's int(ratio * L)."""
+    return torch.floor(prompt_len.to(torch.float64) * float(ratio)).to(torch.int64)

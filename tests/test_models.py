@@ -1,0 +1,103 @@
+"""Tests for h2o_kv.models: name resolution, cache location and the bundled SmolLM2 model."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from h2o_kv import models
+from h2o_kv.models import bundled_gguf_path, cache_dir, load_model
+
+
+@pytest.mark.parametrize(
+    "name", ["./no-such-model", "~/no/such/model", "/no/such/dir", "missing.gguf", "a/b/c"]
+)
+def test_missing_path_raises_clear_error(name: str) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_model(name, enable_h2o=False)
+
+
+def test_hub_id_is_passed_through() -> None:
+    assert models._resolve("HuggingFaceTB/SmolLM2-135M") == "HuggingFaceTB/SmolLM2-135M"
+    assert models._resolve("gpt2") == "gpt2"
+
+
+def test_local_gguf_file_is_converted_under_name_and_size_key(tmp_path: Path, monkeypatch) -> None:
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(12))
+    seen = {}
+    monkeypatch.setattr(models, "_converted", lambda path, key: seen.update(path=path, key=key) or tmp_path)
+    assert models._resolve(str(gguf)) == str(tmp_path)
+    assert seen == {"path": gguf, "key": "tiny-16"}
+
+
+def test_cache_dir_honours_env(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("H2O_KV_CACHE", str(tmp_path / "explicit"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "explicit"
+    monkeypatch.delenv("H2O_KV_CACHE")
+    assert cache_dir() == tmp_path / "xdg" / "h2o-kv"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "h2o-kv"
+
+
+def test_missing_bundled_package_tells_how_to_install(monkeypatch) -> None:
+    monkeypatch.setattr(models, "BUNDLED_FILE", "not-there.gguf")
+    with pytest.raises(FileNotFoundError, match="make setup"):
+        bundled_gguf_path()
+
+
+def test_dtype_defaults_and_names() -> None:
+    assert models._resolve_dtype(None, "cpu") == torch.float32
+    assert models._resolve_dtype(None, "cuda") == torch.bfloat16
+    assert models._resolve_dtype("bf16", "cpu") == torch.bfloat16
+    assert models._resolve_dtype(torch.float16, "cpu") == torch.float16
+    with pytest.raises(ValueError, match="unknown dtype"):
+        models._resolve_dtype("int3", "cpu")
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    try:
+        bundled_gguf_path()
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    return load_model(enable_h2o=False)  # real default cache: converted once, then fast
+
+
+@pytest.mark.slow
+def test_bundled_model_predicts_paris(bundled) -> None:
+    model, tokenizer = bundled
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert model.config.num_hidden_layers == 30 and len(model.model.layers) == 30
+    assert not model.training and model.dtype == torch.float32
+    assert tokenizer.pad_token is not None and tokenizer.padding_side == "left"
+    inputs = tokenizer("The capital of France is", return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    assert torch.isfinite(logits).all()
+    assert tokenizer.decode(logits[0, -1].argmax()) == " Paris"
+
+
+@pytest.mark.slow
+def test_second_load_reads_safetensors_cache(bundled) -> None:
+    assert (cache_dir() / "models" / "smollm2-135m" / "model.safetensors").is_file()
+    start = time.perf_counter()
+    model, _ = load_model(enable_h2o=False)
+    assert time.perf_counter() - start < 15  # ~0.5 s; the GGUF conversion takes ~20 s
+    assert model.config.num_hidden_layers == 30
+
+
+@pytest.mark.slow
+def test_load_with_h2o_enabled(bundled) -> None:
+    attention = pytest.importorskip("h2o_kv.attention")
+    model, tokenizer = load_model()
+    if hasattr(attention, "is_enabled"):
+        assert attention.is_enabled(model)
+    inputs = tokenizer("Hello there", return_tensors="pt")
+    with torch.no_grad():
+        assert torch.isfinite(model(**inputs).logits).all()

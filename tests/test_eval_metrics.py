@@ -1,0 +1,112 @@
+"""Hand-checked cases for the text/token metrics in h2o_kv.eval.metrics."""
+
+from __future__ import annotations
+
+import math
+import random
+from functools import cache
+
+import pytest
+
+from h2o_kv.eval.metrics import (
+    agreement_until_divergence,
+    exact_match,
+    lcs_length,
+    normalize_answer,
+    perplexity,
+    rouge_l,
+    rouge_l_tokens,
+    token_agreement,
+)
+
+
+def _lcs_reference(a: tuple, b: tuple) -> int:
+    """Plain recursive LCS, the textbook definition, to cross-check the rolling-row version."""
+
+    @cache
+    def go(i: int, j: int) -> int:
+        if i == len(a) or j == len(b):
+            return 0
+        if a[i] == b[j]:
+            return 1 + go(i + 1, j + 1)
+        return max(go(i + 1, j), go(i, j + 1))
+
+    return go(0, 0)
+
+
+def test_rouge_l_identical_is_one() -> None:
+    assert rouge_l("the cat sat", "the cat sat") == 1.0
+
+
+def test_rouge_l_hand_computed_partial() -> None:
+    # pred: the cat sat on the mat (6) / ref: the cat lay on a mat (6); LCS = the cat on mat = 4
+    # P = R = 4/6 -> F1 = 2/3
+    assert rouge_l("the cat sat on the mat", "the cat lay on a mat") == pytest.approx(2 / 3)
+    # Order matters: LCS("police killed the gunman", "the gunman police killed") = 2 -> F1 = 2*2/8
+    assert rouge_l("police killed the gunman", "the gunman police killed") == pytest.approx(0.5)
+    # Unequal lengths: pred "a b" vs ref "a x b y z": LCS 2, P = 1, R = 2/5 -> F1 = 2*1*0.4/1.4
+    assert rouge_l("a b", "a x b y z") == pytest.approx(2 * 1 * 0.4 / 1.4)
+
+
+def test_rouge_l_ignores_case_and_punctuation() -> None:
+    assert rouge_l("The cat, sat!", "the   cat sat") == 1.0
+    assert rouge_l("dog", "cat") == 0.0
+
+
+def test_rouge_l_empty_conventions() -> None:
+    assert rouge_l("", "") == 1.0
+    assert rouge_l("", "something") == 0.0
+    assert rouge_l("...", "word") == 0.0  # punctuation only -> no tokens
+
+
+def test_rouge_l_tokens_on_ids() -> None:
+    # LCS([1,2,3,4],[1,3,4,5]) = [1,3,4] -> 2*3/8
+    assert rouge_l_tokens([1, 2, 3, 4], [1, 3, 4, 5]) == pytest.approx(0.75)
+    assert rouge_l_tokens((7, 7, 7), [7, 7, 7]) == 1.0
+    assert rouge_l_tokens([1, 2], [3, 4]) == 0.0
+
+
+def test_lcs_matches_reference_on_random_sequences() -> None:
+    rng = random.Random(1234)
+    for _ in range(200):
+        a = tuple(rng.randint(0, 3) for _ in range(rng.randint(0, 9)))
+        b = tuple(rng.randint(0, 3) for _ in range(rng.randint(0, 9)))
+        assert lcs_length(a, b) == _lcs_reference(a, b), (a, b)
+        assert lcs_length(b, a) == lcs_length(a, b)
+
+
+def test_agreement_until_divergence() -> None:
+    assert agreement_until_divergence([1, 2, 3, 4], [1, 2, 5, 4]) == 2
+    assert agreement_until_divergence([1, 2, 3], [1, 2, 3, 9, 9]) == 3
+    assert agreement_until_divergence([5, 2, 3], [1, 2, 3]) == 0
+    assert agreement_until_divergence([], [1]) == 0
+
+
+def test_token_agreement() -> None:
+    # later agreement still counts, unlike agreement_until_divergence
+    assert token_agreement([1, 2, 3, 4], [1, 2, 5, 4]) == pytest.approx(0.75)
+    assert token_agreement([1, 2, 3], [1, 2, 3, 9, 9]) == 1.0  # over the shorter length
+    assert token_agreement([1, 9], [2, 9, 9, 9]) == pytest.approx(0.5)
+    assert token_agreement([], []) == 1.0
+    assert token_agreement([], [1]) == 0.0
+
+
+def test_perplexity() -> None:
+    assert perplexity(5 * math.log(10.0), 5) == pytest.approx(10.0)
+    assert perplexity(0.0, 3) == 1.0
+    assert perplexity(1e6, 1) == math.inf
+    with pytest.raises(ValueError, match="n_tokens=0"):
+        perplexity(1.0, 0)
+    with pytest.raises(ValueError):
+        perplexity(1.0, -2)
+
+
+def test_exact_match_squad_normalisation() -> None:
+    assert normalize_answer("  The Eiffel   Tower! ") == "eiffel tower"
+    assert exact_match("The Eiffel Tower!", "eiffel tower") == 1.0
+    assert exact_match("an apple", "Apple.") == 1.0
+    assert exact_match("Paris", "London") == 0.0
+    assert exact_match("Paris, France", "Paris") == 0.0  # exact, not containment
+    assert exact_match("london", ["Paris", "London"]) == 1.0
+    with pytest.raises(ValueError):
+        exact_match("x", [])

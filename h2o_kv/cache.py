@@ -304,15 +304,15 @@ class KVCache(Cache):
         return KVLayer(self, len(self.layers))
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        previous = set_pending(self.layers[layer_idx])
+        previous = set_pending(None)
         if previous is not None and previous.cache is self and previous.pending is not None:
-            previous.pending = self.layers[layer_idx].pending = None
-            set_pending(None)
+            previous.pending = None  # the last layer's keys never reached h2o-kv attention
             raise RuntimeError(
                 "h2o_kv.KVCache needs the model's attention to go through h2o-kv to see attention scores: "
                 "call h2o_kv.enable(model) first (this attention implementation does not give scores)"
             )
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        set_pending(self.layers[layer_idx])
         return keys, values
 
     @property

@@ -1,0 +1,79 @@
+"""Fixtures: tiny randomly initialised models, one per supported architecture (no downloads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+
+import h2o_kv
+
+VOCAB = 128
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+
+
+def _llama_like(config_cls, model_cls, **extra):
+    cfg = config_cls(
+        **COMMON, intermediate_size=128, num_key_value_heads=2, max_position_embeddings=2048, **extra
+    )
+    return model_cls(cfg)
+
+
+TINY_MODELS = {
+    "llama": lambda: _llama_like(tf.LlamaConfig, tf.LlamaForCausalLM),
+    "mistral": lambda: _llama_like(tf.MistralConfig, tf.MistralForCausalLM, sliding_window=None),
+    "qwen2": lambda: _llama_like(tf.Qwen2Config, tf.Qwen2ForCausalLM),
+    "qwen3": lambda: _llama_like(tf.Qwen3Config, tf.Qwen3ForCausalLM, head_dim=16),
+    "opt": lambda: tf.OPTForCausalLM(
+        tf.OPTConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            ffn_dim=128,
+            word_embed_proj_dim=64,
+            max_position_embeddings=2048,
+        )
+    ),
+    "gpt_neox": lambda: tf.GPTNeoXForCausalLM(
+        tf.GPTNeoXConfig(**COMMON, intermediate_size=128, max_position_embeddings=2048, rotary_pct=0.25)
+    ),
+    "gemma3": lambda: tf.Gemma3ForCausalLM(
+        tf.Gemma3TextConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            sliding_window=6,
+            max_position_embeddings=2048,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        )
+    ),
+}
+
+
+def make_model(arch: str, seed: int = 0, enable: bool = True) -> torch.nn.Module:
+    """A tiny model with float32 random weights; `enable` switches it to h2o-kv attention."""
+    torch.manual_seed(seed)
+    model = TINY_MODELS[arch]().eval()
+    model.generation_config.eos_token_id = None  # generate exactly max_new_tokens
+    model.generation_config.pad_token_id = 0
+    return h2o_kv.enable(model) if enable else model
+
+
+@pytest.fixture(params=sorted(TINY_MODELS))
+def arch(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def llama() -> torch.nn.Module:
+    return make_model("llama")
+
+
+def random_ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, length), generator=gen)

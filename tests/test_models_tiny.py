@@ -1,0 +1,152 @@
+"""Whole models (tiny, random, one per architecture) with the cache: the EVICTION.md consequences."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_model, random_ids
+
+import h2o_kv
+
+BIG = [
+    h2o_kv.Full(),
+    h2o_kv.H2O(heavy=32, recent=32),
+    h2o_kv.Local(window=64),
+    h2o_kv.StreamingLLM(sinks=4, window=60),
+    h2o_kv.TOVA(budget=64),
+]
+SMALL = [
+    h2o_kv.H2O(heavy=4, recent=4),
+    h2o_kv.Local(window=8),
+    h2o_kv.StreamingLLM(sinks=2, window=6),
+    h2o_kv.TOVA(budget=8),
+]
+
+
+def decode(model, ids, cache, prefill: int, attention_mask=None):
+    """Prefill `prefill` columns in one call, then feed the rest one by one; logits of every column."""
+    logits = []
+    with torch.no_grad():
+        for start, stop in [(0, prefill)] + [(t, t + 1) for t in range(prefill, ids.shape[1])]:
+            mask = None if attention_mask is None else attention_mask[:, :stop]
+            out = model(ids[:, start:stop], attention_mask=mask, past_key_values=cache, use_cache=True)
+            logits.append(out.logits)
+    return torch.cat(logits, dim=1)
+
+
+@pytest.mark.parametrize("policy", BIG, ids=lambda p: p.describe())
+def test_budget_above_length_gives_the_unmodified_logits(arch, policy):
+    ids = random_ids(2, 40)
+    with torch.no_grad():
+        expected = make_model(arch, enable=False)(ids).logits
+    got = decode(make_model(arch), ids, h2o_kv.KVCache(policy), prefill=25)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("policy", SMALL, ids=lambda p: p.describe())
+def test_chunk1_prefill_equals_token_by_token_equals_mask(arch, policy):
+    model, ids = make_model(arch), random_ids(1, 30)
+    one_call_chunked = h2o_kv.KVCache(policy, prefill_chunk=1)
+    stepwise = h2o_kv.KVCache(policy)
+    masked = h2o_kv.KVCache(policy, mode="mask", prefill_chunk=1)
+    with torch.no_grad():
+        a = model(ids, past_key_values=one_call_chunked, use_cache=True).logits
+        b = decode(model, ids, stepwise, prefill=1)
+        c = model(ids, past_key_values=masked, use_cache=True).logits
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-4)
+    for la, lb, lc in zip(one_call_chunked.layers, stepwise.layers, masked.layers):
+        kept = [
+            torch.sort(layer.pos[layer.pos >= 0].view(*layer.pos.shape[:2], -1)).values
+            for layer in (la, lb, lc)
+        ]
+        assert torch.equal(kept[0], kept[1]) and torch.equal(kept[0], kept[2])
+    assert masked.nbytes() > stepwise.nbytes()  # the simulation keeps evicted tokens in memory
+
+
+def test_one_chunk_prefill_is_unmasked_then_evicted(arch):
+    model, ids = make_model(arch), random_ids(1, 30)
+    cache = h2o_kv.KVCache(h2o_kv.H2O(heavy=4, recent=4))
+    with torch.no_grad():
+        expected = make_model(arch, enable=False)(ids).logits
+        got = model(ids, past_key_values=cache, use_cache=True).logits
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)  # the whole prompt attends unmasked
+    assert cache.kept_tokens == 8 and cache.seen_tokens == 30
+
+
+@pytest.mark.parametrize("policy", [*SMALL, h2o_kv.Full()], ids=lambda p: p.describe())
+def test_left_padded_batch_equals_single_runs(arch, policy):
+    model = make_model(arch)
+    long, short = random_ids(1, 24, seed=2), random_ids(1, 15, seed=3)
+    batch = torch.cat([long, torch.cat([torch.zeros(1, 9, dtype=torch.long), short], 1)])
+    mask = torch.ones_like(batch)
+    mask[1, :9] = 0
+    kw = dict(max_new_tokens=12, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        both = model.generate(batch, attention_mask=mask, past_key_values=h2o_kv.KVCache(policy), **kw)
+        alone = [model.generate(x, past_key_values=h2o_kv.KVCache(policy), **kw) for x in (long, short)]
+    for row, single in enumerate(alone):
+        assert torch.equal(both.sequences[row, -12:], single.sequences[0, -12:])
+        for step_b, step_s in zip(both.scores, single.scores):
+            torch.testing.assert_close(step_b[row], step_s[0], atol=5e-5, rtol=1e-4)
+
+
+def test_kept_never_exceeds_capacity_and_memory_stays_flat():
+    model = make_model("llama")
+    cache = h2o_kv.KVCache(h2o_kv.H2O(heavy=16, recent=16))
+    token = random_ids(2, 20)
+    sizes = []
+    with torch.no_grad():
+        out = model(token, past_key_values=cache, use_cache=True)
+        for _ in range(1100):
+            token = out.logits[:, -1:].argmax(-1)
+            out = model(token, past_key_values=cache, use_cache=True)
+            assert int(cache.kept_per_head().max()) <= 32
+            sizes.append(cache.nbytes())
+    assert cache.seen_tokens == 1120 and cache.kept_tokens == 32
+    assert len(set(sizes[20:])) == 1  # storage is a fixed size once the cache is full
+    layer = cache.layers[0]
+    assert layer.keys.shape[2] == 33  # capacity + the incoming token's slot
+
+
+def test_generate_1000_tokens_keeps_bytes_flat():
+    model = make_model("qwen2")
+    cache = h2o_kv.KVCache(h2o_kv.H2O(heavy=8, recent=8))
+    with torch.no_grad():
+        model(random_ids(1, 5), past_key_values=h2o_kv.KVCache(h2o_kv.Full()), use_cache=True)  # warm
+        prompt = random_ids(1, 40)
+        model.generate(prompt, past_key_values=cache, max_new_tokens=1, do_sample=False)
+        after_prefill = cache.nbytes()
+        cache = h2o_kv.KVCache(h2o_kv.H2O(heavy=8, recent=8))
+        model.generate(prompt, past_key_values=cache, max_new_tokens=1000, do_sample=False)
+    assert cache.seen_tokens == 1039 and cache.kept_tokens == 16
+    assert cache.nbytes() == after_prefill
+
+
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampling"])
+def test_every_architecture_generates(arch, sample):
+    model = make_model(arch)
+    cache = h2o_kv.KVCache(h2o_kv.H2O(heavy=6, recent=6))
+    torch.manual_seed(0)
+    out = model.generate(random_ids(2, 20), past_key_values=cache, max_new_tokens=20, do_sample=sample)
+    assert out.shape == (2, 40)
+    assert cache.kept_tokens <= 12 and cache.seen_tokens == 39
+
+
+def test_mixed_sliding_and_global_layers():
+    """Gemma 3: sliding layers hold at most their window, global layers the policy's capacity."""
+    model = make_model("gemma3")  # sliding_window=6 on layers 0-1, full attention on layer 2
+    cache = h2o_kv.KVCache(h2o_kv.H2O(heavy=8, recent=8))
+    with torch.no_grad():
+        model.generate(random_ids(1, 30), past_key_values=cache, max_new_tokens=10, do_sample=False)
+    kept = cache.kept_per_head().amax(dim=(1, 2)).tolist()
+    assert kept == [5, 5, 16]
+
+
+def test_stock_cache_still_works_on_an_enabled_model(llama):
+    ids = random_ids(1, 20)
+    with torch.no_grad():
+        expected = make_model("llama", enable=False)(ids).logits
+        torch.testing.assert_close(llama(ids).logits, expected, atol=1e-5, rtol=1e-4)
+        out = llama.generate(ids, max_new_tokens=5, do_sample=False)
+    assert out.shape == (1, 25)

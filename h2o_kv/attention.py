@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from .cache import KVLayer
 
 IMPLEMENTATION = "h2o_kv"
-QUERY_BLOCK_ELEMENTS = 1 << 24  # bound on a block's [queries x slots x heads] logits (64 MiB in float32)
+QUERY_BLOCK_ELEMENTS = 1 << 21  # a block's [heads x queries x slots] logits: 8 MiB in float32, cache-sized
 
 _pending = threading.local()
 
@@ -43,50 +43,54 @@ def attend(
     window: int | None = None,
     softcap: float | None = None,
     has_padding: bool = False,
+    new_from: int | None = None,
     want_scores: bool = False,
     want_last: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Attention of new queries over cache slots, per KV head, returning what the policies need.
 
     q [B, Hq, n, D]; keys/values [B, H, S, D]; pos [B, H, S] slot positions (-1 = empty);
-    qpos [B, n] query positions (-1 = padding; pass has_padding=True then). A query at t sees slots with 0 <= pos <= t
-    (and pos > t - window on sliding layers). Returns the output [B, n, Hq, D], the attention
-    each slot received summed over queries and the group's heads [B, H, S] (float32), and the
-    attention from the last query averaged over the group's heads [B, H, S].
-    Queries are processed in blocks so no [n x S] matrix larger than a block is materialised.
+    qpos [B, n] query positions (-1 = padding; pass has_padding=True then). A query at t sees
+    slots with 0 <= pos <= t (and pos > t - window on sliding layers). When the n new tokens sit
+    in slots new_from .. new_from + n - 1 in order, query i can only see slots before
+    new_from + i + 1, so later slots are skipped (causal blocks are not computed).
+    Returns the output [B, n, Hq, D], the attention each slot received summed over queries and
+    the group's heads [B, H, S] (float32), and the attention from the last query averaged over
+    the group's heads [B, H, S]. Queries go in blocks so no [n x S] matrix is materialised.
     """
     batch, q_heads, n, dim = q.shape
     kv_heads, slots = keys.shape[1], keys.shape[2]
     group = q_heads // kv_heads
-    q = q.view(batch, kv_heads, group, n, dim)
-    keys_t = keys.transpose(-1, -2)
-    valid = (pos >= 0)[:, :, None, None, :]  # [B, H, 1, 1, S]
+    q = (q * scaling).view(batch, kv_heads, group, n, dim)
     block = max(1, QUERY_BLOCK_ELEMENTS // max(1, batch * q_heads * slots))
-    outputs, scores, last = [], None, None
+    outputs = []
+    scores = pos.new_zeros(pos.shape, dtype=torch.float32) if want_scores else None
+    last = None
     for start in range(0, n, block):
         stop = min(n, start + block)
-        logits = torch.matmul(q[:, :, :, start:stop].reshape(batch, kv_heads, -1, dim), keys_t)
-        logits = logits.view(batch, kv_heads, group, stop - start, slots).float() * scaling
+        width = slots if new_from is None else new_from + stop
+        block_pos = pos[:, :, None, None, :width]  # [B, H, 1, 1, S']
+        logits = torch.matmul(q[:, :, :, start:stop].reshape(batch, kv_heads, -1, dim), keys[:, :, :width].mT)
+        logits = logits.view(batch, kv_heads, group, stop - start, width).float()
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
         if n == 1 and window is None and not has_padding:
-            visible = valid  # decoding: every kept token precedes the query
+            hidden = block_pos < 0  # decoding: every kept token precedes the query
         else:
             t = qpos[:, None, None, start:stop, None]  # [B, 1, 1, m, 1]
-            p = pos[:, :, None, None, :]
-            visible = valid & (p <= t)
+            hidden = (block_pos < 0) | (block_pos > t)
             if window is not None:
-                visible = visible & (p > t - window)
-        probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+                hidden = hidden | (block_pos <= t - window)
+        probs = torch.softmax(logits.masked_fill_(hidden, float("-inf")), dim=-1)
         if has_padding:  # padding queries see nothing: their rows are NaN, make them zero
-            probs = probs.nan_to_num(0.0)
-        out = torch.matmul(probs.to(values.dtype).view(batch, kv_heads, -1, slots), values)
+            probs = probs.nan_to_num_(0.0)
+        out = torch.matmul(probs.to(values.dtype).view(batch, kv_heads, -1, width), values[:, :, :width])
         outputs.append(out.view(batch, q_heads, stop - start, dim))
-        if want_scores:
-            block_scores = probs.sum(dim=(2, 3))
-            scores = block_scores if scores is None else scores + block_scores
+        if scores is not None:
+            scores[..., :width] += probs.sum(dim=(2, 3))
         if want_last and stop == n:
-            last = probs[:, :, :, -1, :].mean(dim=2)
+            last = torch.zeros_like(pos, dtype=torch.float32)
+            last[..., :width] = probs[:, :, :, -1, :].mean(dim=2)
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
     return out.transpose(1, 2).contiguous(), scores, last
 

@@ -22,6 +22,7 @@ from .attention import attend, set_pending
 from .policies import Policy, SlotState
 
 Mode = Literal["drop", "mask"]
+GROWTH = 256  # slots added at a time to an unbounded (Full) cache
 
 
 class KVLayer(CacheLayerMixin):
@@ -53,7 +54,7 @@ class KVLayer(CacheLayerMixin):
         self.max_capacity: int | None = None
         self.min_capacity: int | None = None
         self.kept_bound = 0  # upper bound on kept tokens per (sequence, head), known without a sync
-        self.used = 0  # mask mode: slots handed out so far (slots are never reused there)
+        self.used = 0  # slots at or after this index are free (mask mode never reuses a slot)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -131,7 +132,7 @@ class KVLayer(CacheLayerMixin):
         for start in range(0, n, chunk):
             stop = min(n, start + chunk)
             chunk_pos = qpos[:, start:stop]
-            self._insert(new_keys[:, :, start:stop], new_values[:, :, start:stop], chunk_pos)
+            new_from = self._insert(new_keys[:, :, start:stop], new_values[:, :, start:stop], chunk_pos)
             out, scores, last = attend(
                 query[:, :, start:stop],
                 self.keys,
@@ -142,11 +143,12 @@ class KVLayer(CacheLayerMixin):
                 window=window,
                 softcap=softcap,
                 has_padding=has_padding,
+                new_from=new_from,
                 want_scores=policy.needs_scores,
                 want_last=policy.needs_last,
             )
             if scores is not None:
-                self.score += scores
+                self.score[..., : scores.shape[-1]] += scores
             if last is not None:
                 self.last = last
             self._evict(first_pos + real_before[:, stop - 1], window, stop - start)
@@ -161,20 +163,23 @@ class KVLayer(CacheLayerMixin):
             self.max_capacity = int(self.capacity.max())
             self.min_capacity = int(self.capacity.min())
 
-    def _insert(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
-        """Write new tokens into free slots (padding gets a slot but stays marked empty)."""
+    def _insert(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> int | None:
+        """Write new tokens into slots; padding gets a slot but stays marked empty.
+
+        A single token (decoding, drop mode) takes a free slot. Several tokens (a prompt or prefill
+        chunk), and every token in mask mode, go in order after every used slot, which lets
+        attention skip the causal upper triangle. Returns that first slot, or None.
+        """
         batch, heads, n, dim = keys.shape
-        if self.cache.mode == "mask":
-            self._reserve(self.used + n)
-            slots = torch.arange(self.used, self.used + n, device=self.device).expand(batch, heads, n)
-            self.used += n
+        if self.cache.mode == "drop" and n == 1:
+            self._reserve(self.kept_bound + 1)
+            slots = (self.pos < 0).to(torch.uint8).argmax(-1, keepdim=True)
+            first, self.used = None, self.keys.shape[2]  # the free slot may be anywhere
         else:
-            self._reserve(self.kept_bound + n)
-            free = (self.pos < 0).to(torch.uint8)
-            if n == 1:
-                slots = free.argmax(-1, keepdim=True)
-            else:
-                slots = torch.sort(free, dim=-1, descending=True, stable=True).indices[..., :n]
+            first = self.used
+            self._reserve(first + n)
+            slots = torch.arange(first, first + n, device=self.device).expand(batch, heads, n)
+            self.used = first + n
         self.kept_bound += n
         self.keys.scatter_(2, slots[..., None].expand(-1, -1, -1, dim), keys)
         self.values.scatter_(2, slots[..., None].expand(-1, -1, -1, values.shape[-1]), values)
@@ -182,14 +187,15 @@ class KVLayer(CacheLayerMixin):
         self.score.scatter_(2, slots, 0.0)
         if self.last is not None:
             self.last.scatter_(2, slots, 0.0)
+        return first
 
     def _reserve(self, needed: int) -> None:
-        """Grow the slot storage to at least `needed` slots (geometrically when unbounded)."""
+        """Grow the slot storage to at least `needed` slots (in blocks when unbounded)."""
         have = self.keys.shape[2]
         if needed <= have:
             return
-        if self.max_capacity is None or self.cache.mode == "mask":
-            needed = max(needed, have + have // 2)
+        if self.max_capacity is None:
+            needed = -(-needed // GROWTH) * GROWTH
         extra = needed - have
         self.keys = _grow(self.keys, extra, 0)
         self.values = _grow(self.values, extra, 0)
@@ -220,9 +226,7 @@ class KVLayer(CacheLayerMixin):
             victim = oldest.argmin(-1, keepdim=True)
             evict = torch.zeros_like(valid).scatter_(2, victim, (excess > 0).unsqueeze(-1))
         else:  # rank by (priority, position) and drop the `excess` lowest
-            by_age = torch.sort(
-                torch.where(valid, self.pos, torch.iinfo(torch.int64).max), dim=-1, stable=True
-            )
+            by_age = torch.sort(torch.where(valid, self.pos, torch.iinfo(torch.int64).max), dim=-1, stable=True)
             order = by_age.indices.gather(
                 2, torch.sort(priority.gather(2, by_age.indices), dim=-1, stable=True).indices
             )
@@ -251,6 +255,7 @@ class KVLayer(CacheLayerMixin):
         self.score = self.score.gather(2, order)
         if self.last is not None:
             self.last = self.last.gather(2, order)
+        self.used = min(self.kept_bound, slots)
 
     # -- inspection ----------------------------------------------------------------------------------
     def kept(self) -> torch.Tensor:

@@ -7,4 +7,32 @@ from .local import Local
 from .streaming import StreamingLLM
 from .tova import TOVA
 
-__all__ = ["Policy", "SlotState", "Full", "H2O", "Local", "StreamingLLM", "TOVA"]
+__all__ = ["Policy", "SlotState", "Full", "H2O", "Local", "StreamingLLM", "TOVA", "NAMES", "from_name"]
+
+NAMES = ("h2o", "local", "streamingllm", "tova", "full")
+
+
+def from_name(name: str, budget: int | None = None, *, sinks: int = 4) -> Policy:
+    """A policy at a total budget of `budget` tokens per (sequence, KV head), split the usual way.
+
+    H2O splits its budget evenly between heavy hitters and the recent window, as in the paper;
+    StreamingLLM keeps `sinks` sink tokens and a window of the rest.
+    """
+    key = name.lower().replace("-", "").replace("_", "")
+    if key == "full":
+        return Full()
+    if key not in NAMES:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(NAMES)}")
+    if budget is None:
+        raise ValueError(f"policy {name!r} needs a budget")
+    if budget <= 0:
+        raise ValueError(f"budget must be > 0, got {budget}")
+    if key == "h2o":
+        return H2O(heavy=budget // 2, recent=budget - budget // 2)
+    if key == "local":
+        return Local(window=budget)
+    if key == "tova":
+        return TOVA(budget=budget)
+    if budget <= sinks:
+        raise ValueError(f"StreamingLLM needs a budget larger than its {sinks} sink tokens, got {budget}")
+    return StreamingLLM(sinks=sinks, window=budget - sinks)

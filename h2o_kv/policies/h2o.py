@@ -33,22 +33,16 @@ class H2O(Policy):
         counts = self.heavy is not None or self.recent is not None
         ratios = self.heavy_ratio is not None or self.recent_ratio is not None
         if counts and ratios:
-            raise ValueError(
-                "H2O: give token counts (heavy, recent) or ratios (heavy_ratio, recent_ratio), not both"
-            )
+            raise ValueError("H2O: give token counts (heavy, recent) or ratios (heavy_ratio, recent_ratio), not both")
         if not counts and not ratios:
-            raise ValueError(
-                "H2O needs a budget: H2O(heavy=64, recent=64) or H2O(heavy_ratio=0.1, recent_ratio=0.1)"
-            )
+            raise ValueError("H2O needs a budget: H2O(heavy=64, recent=64) or H2O(heavy_ratio=0.1, recent_ratio=0.1)")
         if self.budget is not None:
             check_budget("budget", self.budget)
             if self.recent is None or self.heavy is not None or ratios:
                 raise ValueError("H2O(budget=...) takes `recent` and derives heavy = budget - recent")
             check_budget("recent", self.recent, allow_zero=True)
             if self.recent > self.budget:
-                raise ValueError(
-                    f"H2O: recent={self.recent} is larger than the capacity budget={self.budget}"
-                )
+                raise ValueError(f"H2O: recent={self.recent} is larger than the capacity budget={self.budget}")
             object.__setattr__(self, "heavy", self.budget - self.recent)
         if counts:
             object.__setattr__(self, "heavy", self.heavy or 0)

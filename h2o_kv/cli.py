@@ -1,0 +1,250 @@
+"""The `h2o-kv` command: generate, demo, setup, and the eval / bench studies."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+import time
+from collections.abc import Sequence
+
+import torch
+
+from . import policies
+from .cache import KVCache
+
+DEMO_QUESTION = "Who speaks in this passage, and what are they arguing about? Answer in two sentences."
+
+
+def policy_from_args(args: argparse.Namespace, prompt_len: int) -> policies.Policy:
+    """Build the policy from CLI flags. --budget is a token count, or a fraction of the prompt if < 1."""
+    name = args.policy
+    if name == "h2o" and (args.heavy is not None or args.recent is not None):
+        return policies.H2O(heavy=args.heavy or 0, recent=args.recent or 0)
+    if name == "full":
+        return policies.Full()
+    if args.budget is None:
+        raise ValueError(f"--policy {name} needs --budget (tokens, or a fraction of the prompt such as 0.2)")
+    budget = int(args.budget * prompt_len) if args.budget < 1 else int(args.budget)
+    return policies.from_name(name, max(budget, 1), sinks=args.sinks)
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.file:
+        with open(args.file, encoding="utf-8") as handle:
+            return handle.read()
+    if args.prompt is not None:
+        return args.prompt
+    if not sys.stdin.isatty():
+        return sys.stdin.read()
+    raise ValueError("give a prompt: --prompt TEXT, --file PATH, or text on standard input")
+
+
+def _encode(tokenizer, text: str, chat: bool, device: torch.device) -> dict[str, torch.Tensor]:
+    if chat and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+    return tokenizer(text, return_tensors="pt").to(device)
+
+
+def generate(
+    model,
+    tokenizer,
+    prompt: str,
+    policy: policies.Policy,
+    *,
+    max_new_tokens: int,
+    chat: bool = True,
+    sample: bool = False,
+    temperature: float = 0.7,
+    prefill_chunk: int | None = None,
+    mode: str = "drop",
+    stream: bool = False,
+) -> dict:
+    """One generation under `policy`; returns the text and what the cache held."""
+    from transformers import TextStreamer
+
+    inputs = _encode(tokenizer, prompt, chat, model.device)
+    cache = KVCache(policy, mode=mode, prefill_chunk=prefill_chunk)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
+    sampling = dict(do_sample=True, temperature=temperature, top_p=0.95) if sample else dict(do_sample=False)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            **inputs,
+            past_key_values=cache,
+            max_new_tokens=max_new_tokens,
+            streamer=streamer,
+            pad_token_id=tokenizer.pad_token_id,
+            **sampling,
+        )
+    seconds = time.perf_counter() - start
+    new_tokens = out[0, inputs["input_ids"].shape[1] :]
+    return {
+        "policy": policy.describe(),
+        "text": tokenizer.decode(new_tokens, skip_special_tokens=True).strip(),
+        "prompt_tokens": int(inputs["input_ids"].shape[1]),
+        "new_tokens": int(new_tokens.numel()),
+        "seen_tokens": cache.seen_tokens,
+        "kept_tokens": cache.kept_tokens,
+        "kv_bytes": cache.nbytes(),
+        "seconds": seconds,
+        "tokens_per_s": new_tokens.numel() / seconds,
+    }
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .models import load_model
+
+    prompt = _read_prompt(args)
+    model, tokenizer = load_model(args.model, device=args.device)
+    prompt_len = int(_encode(tokenizer, prompt, args.chat, model.device)["input_ids"].shape[1])
+    policy = policy_from_args(args, prompt_len)
+    result = generate(
+        model,
+        tokenizer,
+        prompt,
+        policy,
+        max_new_tokens=args.max_new_tokens,
+        chat=args.chat,
+        sample=args.sample,
+        temperature=args.temperature,
+        prefill_chunk=args.prefill_chunk,
+        mode=args.mode,
+        stream=True,
+    )
+    print(
+        f"\n[{result['policy']}] kept {result['kept_tokens']} of {result['seen_tokens']} tokens "
+        f"(most per layer and KV head) | KV cache {_mib(result['kv_bytes'])} | "
+        f"{result['new_tokens']} new tokens at {result['tokens_per_s']:.1f} tokens/s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def demo_prompt(words: int = 700) -> str:
+    """A long real passage (Hamlet, offline Shakespeare corpus) followed by a question."""
+    from .data import load_texts, shakespeare_dir
+
+    hamlet = next(path for path in sorted(shakespeare_dir().glob("*.txt")) if path.name.startswith("hamlet"))
+    text = load_texts(hamlet)[0]
+    start = text.find("Enter Hamlet and Polonius") if "Enter Hamlet and Polonius" in text else len(text) // 3
+    passage = " ".join(text[start:].split()[:words])
+    return f"{passage}\n\n{DEMO_QUESTION}"
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .models import load_model
+
+    model, tokenizer = load_model(args.model, device=args.device)
+    prompt = demo_prompt(args.words)
+    prompt_len = int(_encode(tokenizer, prompt, True, model.device)["input_ids"].shape[1])
+    h2o = policies.H2O(heavy_ratio=args.ratio / 2, recent_ratio=args.ratio / 2)
+    print(f"Prompt: {prompt_len} tokens of Hamlet + a question. Generating {args.max_new_tokens} tokens, greedy.\n")
+    results = [
+        generate(model, tokenizer, prompt, policy, max_new_tokens=args.max_new_tokens)
+        for policy in (policies.Full(), h2o)
+    ]
+    width = 58
+    titles = ["Full cache", f"H2O at {args.ratio:.0%} of the prompt"]
+    print(" | ".join(t.ljust(width) for t in titles))
+    print("-+-".join("-" * width for _ in titles))
+    columns = [textwrap.wrap(r["text"], width) or [""] for r in results]
+    for row in range(max(len(c) for c in columns)):
+        print(" | ".join((c[row] if row < len(c) else "").ljust(width) for c in columns))
+    print("-+-".join("-" * width for _ in titles))
+    stats = [
+        ("kept tokens / seen", lambda r: f"{r['kept_tokens']} / {r['seen_tokens']}"),
+        ("KV cache", lambda r: _mib(r["kv_bytes"])),
+        ("tokens/s", lambda r: f"{r['tokens_per_s']:.1f}"),
+    ]
+    for label, fmt in stats:
+        print(" | ".join(f"{label}: {fmt(r)}".ljust(width) for r in results))
+    ratio = results[1]["kv_bytes"] / results[0]["kv_bytes"]
+    print(f"\nH2O holds {ratio:.0%} of the full cache's bytes.")
+    return 0
+
+
+def cmd_setup(args: argparse.Namespace) -> int:
+    """Prepare everything offline work needs: the bundled model's safetensors copy and the text corpus."""
+    from .data import shakespeare_dir
+    from .models import load_model
+
+    start = time.perf_counter()
+    load_model("smollm2-135m", enable_h2o=False)
+    print(f"bundled model ready ({time.perf_counter() - start:.1f} s)")
+    print(f"corpus ready: {shakespeare_dir()}")
+    return 0
+
+
+def _add_policy_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--policy", default="h2o", choices=policies.NAMES)
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="KV budget per layer and head: tokens, or a fraction of the prompt if < 1 (e.g. 0.2)",
+    )
+    parser.add_argument("--heavy", type=int, default=None, help="H2O heavy-hitter tokens (with --recent)")
+    parser.add_argument("--recent", type=int, default=None, help="H2O recent-window tokens (with --heavy)")
+    parser.add_argument("--sinks", type=int, default=4, help="StreamingLLM sink tokens")
+    parser.add_argument("--prefill-chunk", type=int, default=None, help="process the prompt in chunks of this size")
+    parser.add_argument(
+        "--mode",
+        default="drop",
+        choices=["drop", "mask"],
+        help="drop frees evicted tokens; mask keeps them masked (the paper's simulation)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="h2o-kv", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text with a bounded KV cache, streaming tokens")
+    gen.add_argument("prompt", nargs="?", default=None, help="prompt text (or --file, or standard input)")
+    gen.add_argument("--file", default=None, help="read the prompt from a file")
+    gen.add_argument("--model", default="smollm2-135m", help="bundled name, HF id, local dir or .gguf file")
+    gen.add_argument("--device", default="cpu")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    gen.add_argument("--temperature", type=float, default=0.7)
+    gen.add_argument("--no-chat", dest="chat", action="store_false", help="do not apply the chat template")
+    _add_policy_flags(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    demo = sub.add_parser("demo", help="Full vs H2O at 20%% of a long prompt, side by side, on the bundled model")
+    demo.add_argument("--model", default="smollm2-135m")
+    demo.add_argument("--device", default="cpu")
+    demo.add_argument("--ratio", type=float, default=0.2, help="H2O budget as a fraction of the prompt")
+    demo.add_argument("--words", type=int, default=700, help="words of Hamlet in the prompt")
+    demo.add_argument("--max-new-tokens", type=int, default=64)
+    demo.set_defaults(func=cmd_demo)
+
+    setup = sub.add_parser("setup", help="prepare the bundled model and text corpus for offline use")
+    setup.set_defaults(func=cmd_setup)
+
+    for module in ("h2o_kv.eval.cli", "h2o_kv.bench"):
+        try:
+            __import__(module, fromlist=["add_parser"]).add_parser(sub)
+        except (ImportError, AttributeError):  # optional studies not installed in this checkout
+            pass
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, TypeError) as err:
+        print(f"h2o-kv: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

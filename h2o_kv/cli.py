@@ -25,6 +25,8 @@ def policy_from_args(args: argparse.Namespace, prompt_len: int) -> policies.Poli
         return policies.Full()
     if args.budget is None:
         raise ValueError(f"--policy {name} needs --budget (tokens, or a fraction of the prompt such as 0.2)")
+    if args.budget <= 0:
+        raise ValueError(f"--budget must be > 0 (tokens, or a fraction of the prompt), got {args.budget:g}")
     budget = int(args.budget * prompt_len) if args.budget < 1 else int(args.budget)
     return policies.from_name(name, max(budget, 1), sinks=args.sinks)
 
@@ -102,6 +104,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .models import load_model
 
     prompt = _read_prompt(args)
+    policy_from_args(args, prompt_len=1000)  # reject bad flags before loading anything
     model, tokenizer = load_model(args.model, device=args.device)
     prompt_len = int(_encode(tokenizer, prompt, args.chat, model.device)["input_ids"].shape[1])
     policy = policy_from_args(args, prompt_len)

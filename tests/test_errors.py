@@ -7,6 +7,7 @@ import torch
 import transformers as tf
 
 import h2o_kv
+
 from conftest import make_model, random_ids
 
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import reference_layer
 
 import h2o_kv
+
+from reference import reference_layer
 
 POLICIES = {
     "h2o": (h2o_kv.H2O(heavy=3, recent=2), 5, {"recent": 2}),

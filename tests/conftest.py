@@ -13,9 +13,7 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attenti
 
 
 def _llama_like(config_cls, model_cls, **extra):
-    cfg = config_cls(
-        **COMMON, intermediate_size=128, num_key_value_heads=2, max_position_embeddings=2048, **extra
-    )
+    cfg = config_cls(**COMMON, intermediate_size=128, num_key_value_heads=2, max_position_embeddings=2048, **extra)
     return model_cls(cfg)
 
 

@@ -62,9 +62,7 @@ def reference_layer(
             for tok in kept[h]:
                 tok.last = 0.0
             for t in new:
-                visible = [
-                    tok for tok in kept[h] if tok.pos <= t and (window is None or tok.pos > t - window)
-                ]
+                visible = [tok for tok in kept[h] if tok.pos <= t and (window is None or tok.pos > t - window)]
                 for g in range(group):
                     head = h * group + g
                     logits = [float(q[head, t] @ k[h, tok.pos]) * scale for tok in visible]

@@ -48,9 +48,7 @@ def _make_haystack(n_sentences: int = 900, vocab_size: int = 3000, seed: int = 7
         "fa",
         "bri",
     ]
-    vocab = list(
-        dict.fromkeys("".join(rng.choices(syllables, k=rng.randint(2, 4))) for _ in range(vocab_size))
-    )
+    vocab = list(dict.fromkeys("".join(rng.choices(syllables, k=rng.randint(2, 4))) for _ in range(vocab_size)))
     sentences = []
     for _ in range(n_sentences):
         words = rng.choices(vocab, k=rng.randint(4, 14))
@@ -258,9 +256,7 @@ def _cwe_counts(prompt: str) -> Counter:
     return Counter(w for _, w in items)
 
 
-@pytest.mark.parametrize(
-    "context_tokens,tokenizer_len", [(600, words_len), (3000, words_len), (4096, chars_len)]
-)
+@pytest.mark.parametrize("context_tokens,tokenizer_len", [(600, words_len), (3000, words_len), (4096, chars_len)])
 def test_common_words_answers_are_the_most_frequent(context_tokens: int, tokenizer_len: Callable) -> None:
     s = _sample("common_words", context_tokens, seed=2, tokenizer_len=tokenizer_len)
     counts = _cwe_counts(s.prompt)

@@ -12,9 +12,7 @@ from h2o_kv import models
 from h2o_kv.models import bundled_gguf_path, cache_dir, load_model
 
 
-@pytest.mark.parametrize(
-    "name", ["./no-such-model", "~/no/such/model", "/no/such/dir", "missing.gguf", "a/b/c"]
-)
+@pytest.mark.parametrize("name", ["./no-such-model", "~/no/such/model", "/no/such/dir", "missing.gguf", "a/b/c"])
 def test_missing_path_raises_clear_error(name: str) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_model(name, enable_h2o=False)

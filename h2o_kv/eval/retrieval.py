@@ -528,9 +528,7 @@ def make_sample(
         filler = _Filler(haystack, rng)
         tpw = filler.tokens_per_word(tokenizer_len)
         if task == "passkey":
-            prompt, answers, t, meta = _passkey(
-                rng, filler, tpw, tokenizer_len, context_tokens, depth, value_kind
-            )
+            prompt, answers, t, meta = _passkey(rng, filler, tpw, tokenizer_len, context_tokens, depth, value_kind)
         elif task == "variable_tracking":
             if num_chains < 1 or num_hops < 0:
                 raise ValueError("variable_tracking needs num_chains >= 1 and num_hops >= 0")
@@ -541,13 +539,9 @@ def make_sample(
             k = 1 if task == "niah_single" else num_keys
             if k < 1 or (task == "niah_multikey" and k < 2):
                 raise ValueError(f"niah_multikey needs num_keys >= 2, got {num_keys}")
-            prompt, answers, t, meta = _niah(
-                rng, filler, tpw, tokenizer_len, context_tokens, depth, value_kind, k
-            )
+            prompt, answers, t, meta = _niah(rng, filler, tpw, tokenizer_len, context_tokens, depth, value_kind, k)
     meta = {"seed": seed, "prompt_tokens": t, "max_new_tokens": TOKENS_TO_GENERATE[task], **meta}
-    return Sample(
-        prompt=prompt, answers=answers, task=task, context_tokens=context_tokens, depth=depth, metadata=meta
-    )
+    return Sample(prompt=prompt, answers=answers, task=task, context_tokens=context_tokens, depth=depth, metadata=meta)
 
 
 def make_dataset(

@@ -59,7 +59,8 @@ FALLBACK_TEXT = (
 SWEEP_COLUMNS = (
     "policy policy_desc budget budget_tokens prompt_len gen_len batch repeats prefill_chunk prefill_s "
     "prefill_tok_s decode_s decode_tok_s step_ms_first step_ms_last kv_bytes cache_bytes kv_bytes_ratio "
-    "cache_bytes_ratio seen_tokens kept_tokens peak_mem_bytes peak_mem_delta_bytes mem_kind"
+    "cache_bytes_ratio seen_tokens kept_tokens peak_mem_bytes peak_mem_delta_bytes mem_kind "
+    "roofline_ms roofline_frac bandwidth_gb_s"
 ).split()
 SAME_MEMORY_COLUMNS = (
     "policy policy_desc prompt_len gen_len batch cap_bytes kv_bytes_per_seq kv_bytes decode_s decode_tok_s "
@@ -271,6 +272,32 @@ def bench_config(
     )  # fmt: skip
 
 
+def measure_bandwidth(device: torch.device, nbytes: int = 1 << 29, repeats: int = 5) -> float:
+    """Bytes per second this device reads a large float tensor with (the best of `repeats` sums)."""
+    data = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        data.sum()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
+def add_roofline(rows: list[Row], weight_bytes: int, bandwidth: float) -> None:
+    """Memory-bound floor of a decoding step: read every weight and the kept KV once.
+
+    `roofline_ms` is that floor at the end of the run; `roofline_frac` is how close the last
+    measured step came to it (1.0 = at the memory-bandwidth limit).
+    """
+    for row in rows:
+        floor_s = (weight_bytes + row["kv_bytes"]) / bandwidth
+        row["roofline_ms"] = 1000 * floor_s
+        row["bandwidth_gb_s"] = bandwidth / 1e9
+        row["roofline_frac"] = row["roofline_ms"] / row["step_ms_last"] if row.get("step_ms_last") else None
+
+
 def add_ratios(rows: list[Row]) -> None:
     """kv_bytes_ratio / cache_bytes_ratio: each row's bytes over the baseline's KV at the same size."""
     full = {(r["prompt_len"], r["batch"]): r["kv_bytes"] for r in rows if r["policy"] == BASELINE}
@@ -381,6 +408,8 @@ def run_bench(
                 ids = prompt_ids(token_ids, prompt_len, batch).to(device)
                 rows.append(bench_config(model, ids, name, **run))
             add_ratios(rows)
+            weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+            add_roofline(rows, weight_bytes, measure_bandwidth(device))
             bar.set_postfix_str("same memory, bigger batch")
             rows += same_memory(model, token_ids, rows, cap_gb=memory_cap_gb, device=device)
     finally:

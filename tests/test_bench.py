@@ -175,3 +175,13 @@ def test_chunked_prefill_keeps_the_same_accounting(run):
     assert chunked["prefill_chunk"] == 16 and whole["prefill_chunk"] is None
     for key in ("kv_bytes", "cache_bytes", "kept_tokens", "seen_tokens"):
         assert chunked[key] == whole[key]
+
+
+def test_roofline_is_weights_plus_kept_kv_over_bandwidth():
+    from h2o_kv.bench import add_roofline
+
+    rows = [dict(kv_bytes=1_000_000, step_ms_last=4.0), dict(kv_bytes=0, step_ms_last=None)]
+    add_roofline(rows, weight_bytes=3_000_000, bandwidth=2e9)
+    assert rows[0]["roofline_ms"] == pytest.approx(2.0)  # (3 MB + 1 MB) / 2 GB/s
+    assert rows[0]["roofline_frac"] == pytest.approx(0.5)
+    assert rows[1]["roofline_ms"] == pytest.approx(1.5) and rows[1]["roofline_frac"] is None

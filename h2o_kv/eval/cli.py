@@ -1,0 +1,95 @@
+"""`h2o-kv eval`: accuracy of a model under KV-cache policies and budgets (see `runner.run_eval`).
+
+    h2o-kv eval                                   # small default: results/eval/ on the bundled model
+    h2o-kv eval --size large                      # the fuller protocol (long; hours on a CPU)
+    h2o-kv eval --tasks perplexity --budgets 64,128,256 --corpus my_texts/
+    h2o-kv eval --tasks summarize --data xsum.jsonl
+Also runnable as `python -m h2o_kv.eval.cli ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from . import parse_budgets
+from .runner import DEFAULT_BUDGETS, DEFAULT_POLICIES, DEFAULT_TASKS, SIZES, TASKS, command_line
+
+
+def _list(text: str) -> list[str]:
+    return [s.strip() for s in text.split(",") if s.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--model", default="smollm2-135m", help="bundled name, local HF dir, .gguf file or hub id")
+    add("--device", default="cpu")
+    add("--tasks", default=",".join(DEFAULT_TASKS), help=f"comma list of {', '.join(TASKS)}")
+    add("--policies", default=",".join(DEFAULT_POLICIES), help="comma list; Full always runs as the reference")
+    add(
+        "--budgets",
+        default=",".join(map(str, DEFAULT_BUDGETS)),
+        help="fractions of the length (0.05,0.1,0.2,0.5) or token counts (64,128,256)",
+    )
+    add("--size", default="small", choices=sorted(SIZES), help="small: minutes on a CPU; large: the fuller protocol")
+    add("--mode", default="drop", choices=["drop", "mask"], help="drop frees evicted tokens (faster, same numbers)")
+    add("--corpus", default=None, help="text file, directory of *.txt or HF dataset name[:config][:split]")
+    add("--data", default=None, help="JSONL with fields document and summary (for --tasks summarize)")
+    add("--chunk", type=int, default=None, help="tokens fed between evictions when streaming (1: token by token)")
+    add("--out", default="results/eval", help="output directory (tables and plots)")
+    add("--seed", type=int, default=0)
+    add("--threads", type=int, default=None, help="torch CPU threads")
+    add("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register the `eval` subcommand on an argparse subparsers object (runs `main` as args.func)."""
+    parser = subparsers.add_parser(
+        "eval", help="accuracy under KV budgets: perplexity, retrieval, fidelity, summarisation", description=__doc__
+    )
+    add_arguments(parser)
+    parser.set_defaults(func=main)
+    return parser
+
+
+def main(args: argparse.Namespace) -> int:
+    """Load the model, run the evaluation, write the results and print where they are."""
+    import torch
+
+    from h2o_kv.models import load_model
+
+    from .runner import run_eval
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model, device=args.device)
+    rows = run_eval(
+        model,
+        tokenizer,
+        tasks=_list(args.tasks),
+        policies=_list(args.policies),
+        budgets=parse_budgets(args.budgets),
+        size=args.size,
+        mode=args.mode,
+        corpus=args.corpus,
+        data=args.data,
+        seed=args.seed,
+        out_dir=args.out,
+        progress=not args.no_progress,
+        chunk=args.chunk,
+        command=command_line(),
+    )
+    print(f"{len(rows)} rows; tables and plots in {args.out}/ (summary: {args.out}/summary.md)")
+    return 0
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m h2o_kv.eval.cli", description=__doc__)
+    add_arguments(parser)
+    return main(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

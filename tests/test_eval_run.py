@@ -1,0 +1,280 @@
+"""The accuracy evaluation: perplexity, fidelity, retrieval runs, summarisation and the runner's outputs."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf
+
+import h2o_kv
+from h2o_kv.eval import budget_tokens, make_policy, parse_budgets
+from h2o_kv.eval.fidelity import compare, greedy_generate, run_fidelity
+from h2o_kv.eval.perplexity import perplexity_stats, stream_nll, text_windows
+from h2o_kv.eval.retrieval import Sample
+from h2o_kv.eval.runner import COLUMNS, run_eval
+from h2o_kv.eval.summarize import load_jsonl, run_summarize
+from h2o_kv.eval.tasks_run import make_samples, mean_by_task, score_batch
+
+from conftest import make_model, random_ids
+
+WORDS = (
+    "the king rode out at dawn with his men and the queen watched from the tower while the river ran "
+    "past the walls of the old town where the people sang of war and of peace and of the long winter"
+).split()
+
+
+class WordTokenizer:
+    """Decodes ids as space-separated numbers: enough for the metrics' hand-made cases."""
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return " ".join(f"w{i}" for i in ids)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The bundled model's tokenizer (loads in about a second once `make setup` converted the model)."""
+    from h2o_kv.models import _resolve, bundled_gguf_path
+
+    try:
+        bundled_gguf_path()
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    tok = tf.AutoTokenizer.from_pretrained(_resolve("smollm2-135m"))
+    tok.pad_token = tok.pad_token or tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tokenizer):
+    """A tiny random Llama with the bundled tokenizer's vocabulary, so text tasks run in seconds."""
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    )
+    model = tf.LlamaForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = None
+    return h2o_kv.enable(model)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """Two plain-text 'plays' of pseudo-English, as a directory corpus."""
+    root = tmp_path_factory.mktemp("corpus")
+    for k in range(2):
+        words = [WORDS[(i * 7 + k * 3 + i // 5) % len(WORDS)] for i in range(6000)]
+        lines = [" ".join(words[i : i + 12]).capitalize() + "." for i in range(0, len(words), 12)]
+        (root / f"play{k}.txt").write_text("\n\n".join(lines))
+    return root
+
+
+# ---------------------------------------------------------------------------------------- budgets
+
+
+def test_budget_parsing_and_policies() -> None:
+    assert parse_budgets("0.05,0.1,20%,128") == [0.05, 0.1, 0.2, 128]
+    assert budget_tokens(0.2, 1024) == 204 and budget_tokens(128, 1024) == 128 and budget_tokens(None, 5) is None
+    assert budget_tokens(0.001, 100) == 1
+    with pytest.raises(ValueError):
+        budget_tokens(1.5, 10)
+    with pytest.raises(ValueError):
+        parse_budgets("0")
+    h2o = make_policy("h2o", 0.2, 1000)
+    assert (h2o.heavy, h2o.recent) == (100, 100)
+    assert make_policy("local", 64, 1000).window == 64
+    assert make_policy("streamingllm", 3, 1000).sinks == 2  # tiny budgets keep fewer sinks
+    assert isinstance(make_policy("full", None, 10), h2o_kv.Full)
+
+
+# ------------------------------------------------------------------------------------- perplexity
+
+
+def test_full_perplexity_equals_stock_model_nll() -> None:
+    ids = random_ids(2, 48)
+    stock = make_model("llama", enable=False)
+    with torch.no_grad():
+        logits = stock(ids).logits[:, :-1]
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    nll = stream_nll(make_model("llama"), ids, "full", None, chunk=1)
+    assert nll.shape == (2, 47)
+    assert perplexity_stats(nll)["ppl"] == pytest.approx(math.exp(float(expected)), rel=1e-4)
+
+
+def test_mask_and_drop_give_the_same_perplexity_and_eviction_changes_it() -> None:
+    model, ids = make_model("llama"), random_ids(2, 40)
+    drop = stream_nll(model, ids, "h2o", 8, mode="drop", chunk=1)
+    mask = stream_nll(model, ids, "h2o", 8, mode="mask", chunk=1)
+    full = stream_nll(model, ids, "full", None, chunk=1)
+    torch.testing.assert_close(drop, mask, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(drop[:, :7], full[:, :7], atol=1e-5)  # nothing is evicted before the cache fills
+    assert not torch.allclose(drop, full, atol=1e-3)
+
+
+def test_text_windows_are_deterministic_and_from_each_text(tokenizer, corpus: Path) -> None:
+    a = text_windows(tokenizer, str(corpus), n=4, length=64, seed=1)
+    b = text_windows(tokenizer, str(corpus), n=4, length=64, seed=1)
+    c = text_windows(tokenizer, str(corpus), n=4, length=64, seed=2)
+    assert a.shape == (4, 64) and torch.equal(a, b) and not torch.equal(a, c)
+    assert len({tuple(w.tolist()) for w in a}) == 4
+    with pytest.raises(ValueError):
+        text_windows(tokenizer, str(corpus / "play0.txt"), n=4, length=5000)
+
+
+@pytest.mark.slow
+def test_tiny_budget_raises_real_perplexity(tokenizer) -> None:
+    model, _ = h2o_kv.load_model()
+    windows = text_windows(tokenizer, None, n=1, length=160)
+    full = perplexity_stats(stream_nll(model, windows, "full", None, chunk=8))["ppl"]
+    tiny = perplexity_stats(stream_nll(model, windows, "local", 4, chunk=1))["ppl"]
+    assert tiny > 1.5 * full
+
+
+# --------------------------------------------------------------------------------------- fidelity
+
+
+def test_compare_scores_hand_made_cases() -> None:
+    tok = WordTokenizer()
+    same = compare(tok, [[1, 2, 3, 4]], [[1, 2, 3, 4]])
+    assert same == {"agree_tokens": 4, "agree_frac": 1.0, "rouge_l_vs_full": 1.0, "identical": 1.0}
+    drift = compare(tok, [[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 4], [7, 8]])
+    assert drift["agree_tokens"] == 1.0  # (2 + 0) / 2
+    assert drift["agree_frac"] == pytest.approx(0.25)  # (2/4 + 0/2) / 2
+    assert drift["rouge_l_vs_full"] == pytest.approx((0.75 + 0.0) / 2)  # LCS 3 of 4 + 4 words
+    assert drift["identical"] == 0.0
+
+
+def test_fidelity_of_full_is_perfect_and_a_tiny_budget_drifts(tiny_lm, tokenizer) -> None:
+    prompts = [f"Tell me about {w} and the " + " ".join(WORDS[i : i + 30]) for i, w in enumerate(WORDS[:3])]
+    rows = run_fidelity(tiny_lm, tokenizer, prompts, [("full", None), ("local", 2)], max_new_tokens=12)
+    full, local = rows
+    assert full["agree_frac"] == full["rouge_l_vs_full"] == full["identical"] == 1.0
+    assert full["agree_tokens"] == 12
+    assert local["agree_frac"] < 1.0
+    assert 0.0 <= local["rouge_l_vs_full"] <= 1.0
+
+
+def test_greedy_generate_with_full_matches_stock_generate(tiny_lm, tokenizer) -> None:
+    ids = tokenizer("the king rode out at dawn")["input_ids"]
+    ours = greedy_generate(tiny_lm, tokenizer, [ids], "full", None, max_new_tokens=6)[0]
+    with torch.no_grad():
+        stock = tiny_lm.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert ours == stock[0, len(ids) :].tolist()
+
+
+# -------------------------------------------------------------------------------------- retrieval
+
+
+def test_retrieval_scoring_on_hand_made_outputs() -> None:
+    tok = WordTokenizer()
+    samples = [
+        Sample("...", ["w12"], "passkey", 100, 0.5),
+        Sample("...", ["w7"], "passkey", 100, 0.5),
+        Sample("...", ["w1", "w2"], "variable_tracking", 100, None),
+    ]
+    scores = score_batch(tok, samples, [[12, 3], [8], [2, 5]])
+    assert scores == [1.0, 0.0, 0.5]
+    assert mean_by_task(samples, scores) == {"passkey": (0.5, 2), "variable_tracking": (0.5, 1)}
+
+
+def test_retrieval_samples_are_deterministic(tokenizer, corpus: Path) -> None:
+    hay = (corpus / "play0.txt").read_text()
+    kw = dict(tasks=("passkey", "niah_single"), context_tokens=200, n=2)
+    a = make_samples(tokenizer, hay, seed=3, **kw)
+    b = make_samples(tokenizer, hay, seed=3, **kw)
+    c = make_samples(tokenizer, hay, seed=4, **kw)
+    assert [s.prompt for s in a] == [s.prompt for s in b]
+    assert [s.answers for s in a] != [s.answers for s in c]
+    assert [s.task for s in a] == ["passkey", "passkey", "niah_single", "niah_single"]
+    assert [s.depth for s in a] == [0.25, 0.75, 0.25, 0.75]
+    assert all(s.metadata["prompt_tokens"] <= 200 for s in a)
+
+
+# ---------------------------------------------------------------------------------- summarisation
+
+
+def _jsonl(path: Path, n: int = 2) -> Path:
+    lines = [
+        json.dumps({"document": " ".join(WORDS[i : i + 40]), "summary": " ".join(WORDS[i : i + 6])}) for i in range(n)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_load_jsonl_checks_fields(tmp_path: Path) -> None:
+    assert len(load_jsonl(_jsonl(tmp_path / "a.jsonl", 3), n=2)) == 2
+    (tmp_path / "bad.jsonl").write_text('{"text": "x"}\n')
+    with pytest.raises(ValueError, match="document"):
+        load_jsonl(tmp_path / "bad.jsonl")
+
+
+def test_summarize_on_tiny_jsonl(tiny_lm, tokenizer, tmp_path: Path) -> None:
+    records = load_jsonl(_jsonl(tmp_path / "x.jsonl"))
+    rows = run_summarize(tiny_lm, tokenizer, records, [("full", None), ("h2o", 0.1)], max_new_tokens=8)
+    assert [r["policy"] for r in rows] == ["full", "h2o"]
+    assert rows[0]["rouge_l_vs_full"] == 1.0
+    assert all(0.0 <= r["rouge_l"] <= 1.0 and r["n"] == 2 for r in rows)
+
+
+# ----------------------------------------------------------------------------------------- runner
+
+
+def test_runner_writes_tables_and_plots(tiny_lm, tokenizer, corpus: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    small = dict(
+        ppl_windows=2, ppl_length=96, ppl_chunk=8,
+        ret_tasks=("passkey",), ret_contexts=(160,), ret_n=1, gen_cap=4,
+        fid_n=2, fid_passage=40, fid_new=4, sum_n=2, sum_new=4, sum_doc=40,
+    )  # fmt: skip
+    rows = run_eval(
+        tiny_lm,
+        tokenizer,
+        tasks=["perplexity", "retrieval", "fidelity", "summarize"],
+        policies=["h2o", "local"],
+        budgets=[0.1, 0.5],
+        corpus=str(corpus),
+        data=str(_jsonl(tmp_path / "d.jsonl")),
+        out_dir=out,
+        progress=False,
+        overrides=small,
+        command="test",
+    )
+    for name in ("results.json", "results.csv", "summary.md", *(f"{t}.png" for t in ("perplexity", "retrieval"))):
+        assert (out / name).is_file(), name
+    assert (out / "fidelity.png").stat().st_size > 1000 and (out / "summarize.png").is_file()
+    with open(out / "results.csv") as f:
+        table = list(csv.DictReader(f))
+    assert tuple(table[0]) == COLUMNS
+    assert len(table) == len(rows)
+    meta = json.loads((out / "results.json").read_text())["meta"]
+    assert meta["command"] == "test" and set(meta["seconds"]) == {"perplexity", "retrieval", "fidelity", "summarize"}
+    ppl = [r for r in rows if r["task"] == "perplexity" and r["metric"] == "ppl"]
+    assert {(r["policy"], r["budget_frac"], r["budget_tokens"]) for r in ppl} == {
+        ("full", 1.0, 96), ("h2o", 0.1, 9), ("h2o", 0.5, 48), ("local", 0.1, 9), ("local", 0.5, 48)
+    }  # fmt: skip
+    assert all(r["vs_full"] == pytest.approx(1.0) for r in rows if r["policy"] == "full" and r["full_value"])
+    retrieval = [r for r in rows if r["task"] == "retrieval"]
+    assert {r["prefill"] for r in retrieval} == {"full", "stream"}
+    assert {r["subtask"] for r in retrieval} == {"passkey"}
+
+
+def test_cli_registers_eval_subcommand() -> None:
+    import argparse
+
+    from h2o_kv.eval import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["eval", "--tasks", "perplexity", "--budgets", "64,128", "--mode", "mask"])
+    assert args.func is cli.main and args.tasks == "perplexity" and args.mode == "mask"
+    assert parse_budgets(args.budgets) == [64, 128]

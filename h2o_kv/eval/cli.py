@@ -47,7 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register the `eval` subcommand on an argparse subparsers object (runs `main` as args.func)."""
     parser = subparsers.add_parser(
-        "eval", help="accuracy under KV budgets: perplexity, retrieval, fidelity, summarisation", description=__doc__
+        "eval",
+        help="accuracy under KV budgets: perplexity, retrieval, fidelity, summarisation",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(parser)
     parser.set_defaults(func=main)
@@ -86,7 +89,9 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m h2o_kv.eval.cli", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m h2o_kv.eval.cli", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_arguments(parser)
     return main(parser.parse_args(argv))
 

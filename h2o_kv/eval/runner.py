@@ -33,15 +33,15 @@ DEFAULT_BUDGETS = (0.05, 0.1, 0.2, 0.5)
 # "small" runs in minutes on a laptop CPU (the committed results); "large" is the fuller protocol.
 SIZES: dict[str, dict[str, Any]] = {
     "small": dict(
-        ppl_windows=4, ppl_length=1024, ppl_chunk=16,
-        ret_tasks=("passkey", "niah_single", "niah_multikey", "variable_tracking"),
-        ret_contexts=(512, 1024), ret_n=4, ret_prefill=("full", "stream"), ret_chunk=16, gen_cap=32,
+        ppl_windows=4, ppl_length=1024, ppl_chunk=1,
+        ret_tasks=("passkey", "niah_single"), ret_contexts=(512, 1024), ret_n=2,
+        ret_prefill=("full", "stream"), ret_chunk=16, gen_cap=16,
         fid_n=6, fid_passage=320, fid_new=64, sum_n=8, sum_new=64, sum_doc=768,
     ),
     "large": dict(
-        ppl_windows=8, ppl_length=4096, ppl_chunk=4,
+        ppl_windows=8, ppl_length=4096, ppl_chunk=1,
         ret_tasks=("passkey", "niah_single", "niah_multikey", "variable_tracking", "common_words"),
-        ret_contexts=(1024, 2048, 4096), ret_n=10, ret_prefill=("full", "stream"), ret_chunk=8, gen_cap=None,
+        ret_contexts=(1024, 2048, 4096), ret_n=10, ret_prefill=("full", "stream"), ret_chunk=16, gen_cap=None,
         fid_n=16, fid_passage=1024, fid_new=128, sum_n=100, sum_new=64, sum_doc=2048,
     ),
 }  # fmt: skip

@@ -13,7 +13,7 @@ import transformers as tf
 
 import h2o_kv
 from h2o_kv.eval import budget_tokens, make_policy, parse_budgets
-from h2o_kv.eval.fidelity import compare, greedy_generate, run_fidelity
+from h2o_kv.eval.fidelity import compare, greedy_generate, run_fidelity, teacher_forced_top1
 from h2o_kv.eval.perplexity import perplexity_stats, stream_nll, text_windows
 from h2o_kv.eval.retrieval import Sample
 from h2o_kv.eval.runner import COLUMNS, run_eval
@@ -159,9 +159,19 @@ def test_fidelity_of_full_is_perfect_and_a_tiny_budget_drifts(tiny_lm, tokenizer
     rows = run_fidelity(tiny_lm, tokenizer, prompts, [("full", None), ("local", 2)], max_new_tokens=12)
     full, local = rows
     assert full["agree_frac"] == full["rouge_l_vs_full"] == full["identical"] == 1.0
-    assert full["agree_tokens"] == 12
-    assert local["agree_frac"] < 1.0
+    assert full["agree_tokens"] == 12 and full["top1_vs_full"] == 1.0
+    assert local["agree_frac"] < 1.0 and local["top1_vs_full"] < 1.0
     assert 0.0 <= local["rouge_l_vs_full"] <= 1.0
+
+
+def test_teacher_forced_top1_batches_like_single_prompts(tiny_lm, tokenizer) -> None:
+    prompts = [tokenizer(" ".join(WORDS[i : i + n]))["input_ids"] for i, n in ((0, 30), (5, 12), (9, 21))]
+    full = greedy_generate(tiny_lm, tokenizer, prompts, "full", None, max_new_tokens=10)
+    length = max(map(len, prompts))
+    assert teacher_forced_top1(tiny_lm, prompts, full, "full", None, length=length) == [1.0, 1.0, 1.0]
+    batched = teacher_forced_top1(tiny_lm, prompts, full, "h2o", 4, length=length)
+    single = [teacher_forced_top1(tiny_lm, [p], [f], "h2o", 4, length=length)[0] for p, f in zip(prompts, full)]
+    assert batched == pytest.approx(single) and min(batched) < 1.0
 
 
 def test_greedy_generate_with_full_matches_stock_generate(tiny_lm, tokenizer) -> None:
@@ -264,7 +274,7 @@ def test_runner_writes_tables_and_plots(tiny_lm, tokenizer, corpus: Path, tmp_pa
     }  # fmt: skip
     assert all(r["vs_full"] == pytest.approx(1.0) for r in rows if r["policy"] == "full" and r["full_value"])
     retrieval = [r for r in rows if r["task"] == "retrieval"]
-    assert {r["prefill"] for r in retrieval} == {"full", "stream"}
+    assert {r["prefill"] for r in retrieval} == {"oneshot", "stream"}
     assert {r["subtask"] for r in retrieval} == {"passkey"}
 
 

@@ -35,22 +35,21 @@ SIZES: dict[str, dict[str, Any]] = {
     "small": dict(
         ppl_windows=4, ppl_length=1024, ppl_chunk=1,
         ret_tasks=("passkey", "niah_single"), ret_contexts=(512, 1024), ret_n=2,
-        ret_prefill=("full", "stream"), ret_chunk=16, gen_cap=16,
+        ret_prefill=("oneshot", "stream"), ret_chunk=16, gen_cap=16,
         fid_n=6, fid_passage=320, fid_new=64, sum_n=8, sum_new=64, sum_doc=768,
     ),
     "large": dict(
         ppl_windows=8, ppl_length=4096, ppl_chunk=1,
         ret_tasks=("passkey", "niah_single", "niah_multikey", "variable_tracking", "common_words"),
-        ret_contexts=(1024, 2048, 4096), ret_n=10, ret_prefill=("full", "stream"), ret_chunk=16, gen_cap=None,
+        ret_contexts=(1024, 2048, 4096), ret_n=10, ret_prefill=("oneshot", "stream"), ret_chunk=16, gen_cap=None,
         fid_n=16, fid_passage=1024, fid_new=128, sum_n=100, sum_new=64, sum_doc=2048,
     ),
 }  # fmt: skip
 
-PRIMARY = {"perplexity": "ppl", "retrieval": "score", "fidelity": "rouge_l_vs_full", "summarize": "rouge_l"}
 PLOT_METRICS = {
     "perplexity": ("ppl",),
     "retrieval": ("score",),
-    "fidelity": ("agree_frac", "rouge_l_vs_full"),
+    "fidelity": ("top1_vs_full", "agree_frac", "rouge_l_vs_full"),
     "summarize": ("rouge_l", "rouge_l_vs_full"),
 }
 LOWER_IS_BETTER = {"ppl", "ppl_windows_mean", "ppl_windows_std"}
@@ -196,7 +195,7 @@ def _run_task(task, model, tokenizer, configs, cfg, *, mode, corpus, data, seed,
         wide = run_fidelity(model, tokenizer, prompts, configs, max_new_tokens=cfg["fid_new"], mode=mode, progress=bar)
         for r in wide:
             r["n"] = len(prompts)
-        return _long_rows(task, wide, prefill="full", mode=mode, chunk=None)
+        return _long_rows(task, wide, prefill="oneshot", mode=mode, chunk=None)
     from .summarize import load_jsonl, run_summarize
 
     records = load_jsonl(data, n=cfg["sum_n"])
@@ -210,7 +209,7 @@ def _run_task(task, model, tokenizer, configs, cfg, *, mode, corpus, data, seed,
         mode=mode,
         progress=bar,
     )
-    return _long_rows(task, wide, prefill="full", mode=mode, chunk=None)
+    return _long_rows(task, wide, prefill="oneshot", mode=mode, chunk=None)
 
 
 def _run_retrieval(model, tokenizer, configs, cfg, *, mode, corpus, seed, bar) -> list[dict]:
@@ -226,7 +225,7 @@ def _run_retrieval(model, tokenizer, configs, cfg, *, mode, corpus, seed, bar) -
             tokenizer, haystack, tasks=cfg["ret_tasks"], context_tokens=context, n=cfg["ret_n"], seed=seed
         )
         kw = dict(chunk=cfg["ret_chunk"], mode=mode, gen_cap=cfg["gen_cap"], progress=bar)
-        full = run_retrieval(model, tokenizer, samples, configs[:1], **kw)
+        full = run_retrieval(model, tokenizer, samples, configs[:1], prefill="oneshot", **kw)
         for prefill in cfg["ret_prefill"]:
             wide = full + run_retrieval(model, tokenizer, samples, configs[1:], prefill=prefill, **kw)
             chunk = cfg["ret_chunk"] if prefill == "stream" else None
@@ -295,6 +294,15 @@ def summary_markdown(rows: list[dict], meta: dict) -> str:
                     if p != "full":
                         lines.append(f"| {p} | " + " | ".join(_num(_mean(d.get(x, []))) for x in xs) + " |")
                 lines.append("")
+                if metric in LOWER_IS_BETTER and full:
+                    lines += [f"## {task}: {title}, change vs Full", "", head, "|" + "---|" * (len(xs) + 1)]
+                    for p, d in pol.items():
+                        if p != "full":
+                            rel = [_mean(d.get(x, [])) / full_v - 1 for x in xs]
+                            lines.append(
+                                f"| {p} | " + " | ".join("" if math.isnan(v) else f"{v:+.1%}" for v in rel) + " |"
+                            )
+                    lines.append("")
     return "\n".join(lines)
 
 
@@ -338,7 +346,8 @@ def plot_task(rows: list[dict], task: str, path: Path) -> None:
     else:
         nrows, ncols = 1, len(panels)
         where = {k: (0, i) for i, (_, k, _) in enumerate(panels)}
-    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.4 * nrows), squeeze=False)
+    width = max(6.4, 4.2 * ncols)  # room for the title when there is a single panel
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width, 3.6 * nrows), squeeze=False)
     frac = all(r["budget"] is None or is_fraction(r["budget"]) for r in rows)
     for metric, key, pol in panels:
         ax = axes[where[key]]

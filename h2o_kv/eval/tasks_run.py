@@ -2,7 +2,7 @@
 
 All samples of one context length run as one left-padded batch per (policy, budget), whatever the
 task. The budget is a fraction of the context length (prompts end just below it). Two prefill
-settings: "full" reads the prompt in one call and then evicts (the paper's generation setting: the
+settings: "oneshot" reads the prompt in one call and then evicts (the paper's generation setting: the
 question's attention counts when choosing what to keep); "stream" feeds the prompt through the
 bounded cache in chunks, so a needle must earn attention before the question arrives to survive.
 """
@@ -72,8 +72,8 @@ def run_retrieval(
     progress: Any = None,
 ) -> list[dict]:
     """One row per (policy, budget, task): the mean RULER score of the samples (all one context length)."""
-    if prefill not in ("full", "stream"):
-        raise ValueError(f"prefill must be 'full' or 'stream', got {prefill!r}")
+    if prefill not in ("oneshot", "stream"):
+        raise ValueError(f"prefill must be 'oneshot' or 'stream', got {prefill!r}")
     prompt_ids = encode(tokenizer, [s.prompt for s in samples])
     context = max(s.context_tokens for s in samples)
     new = [answer_tokens(s.task, gen_cap) for s in samples]

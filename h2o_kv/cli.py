@@ -9,6 +9,8 @@ import time
 from collections.abc import Sequence
 
 import torch
+from transformers import TextStreamer
+from transformers.generation.streamers import BaseStreamer
 
 from . import policies
 from .cache import KVCache
@@ -50,6 +52,24 @@ def _encode(tokenizer, text: str, chat: bool, device: torch.device) -> dict[str,
     return tokenizer(text, return_tensors="pt").to(device)
 
 
+class _Clock(BaseStreamer):
+    """Times the first generated token, so prefill and decoding speeds are reported apart."""
+
+    def __init__(self, echo: BaseStreamer | None) -> None:
+        self.echo, self.calls, self.first_token_at = echo, 0, None
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2:  # the first call carries the prompt, the second the first new token
+            self.first_token_at = time.perf_counter()
+        if self.echo is not None:
+            self.echo.put(value)
+
+    def end(self) -> None:
+        if self.echo is not None:
+            self.echo.end()
+
+
 def generate(
     model,
     tokenizer,
@@ -64,12 +84,10 @@ def generate(
     mode: str = "drop",
     stream: bool = False,
 ) -> dict:
-    """One generation under `policy`; returns the text and what the cache held."""
-    from transformers import TextStreamer
-
+    """One generation under `policy`; returns the text, what the cache held, and prefill/decode speed."""
     inputs = _encode(tokenizer, prompt, chat, model.device)
     cache = KVCache(policy, mode=mode, prefill_chunk=prefill_chunk)
-    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
+    clock = _Clock(TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None)
     sampling = dict(do_sample=True, temperature=temperature, top_p=0.95) if sample else dict(do_sample=False)
     start = time.perf_counter()
     with torch.no_grad():
@@ -77,12 +95,13 @@ def generate(
             **inputs,
             past_key_values=cache,
             max_new_tokens=max_new_tokens,
-            streamer=streamer,
+            streamer=clock,
             pad_token_id=tokenizer.pad_token_id,
             **sampling,
         )
-    seconds = time.perf_counter() - start
+    end = time.perf_counter()
     new_tokens = out[0, inputs["input_ids"].shape[1] :]
+    first = clock.first_token_at or end
     return {
         "policy": policy.describe(),
         "text": tokenizer.decode(new_tokens, skip_special_tokens=True).strip(),
@@ -91,8 +110,8 @@ def generate(
         "seen_tokens": cache.seen_tokens,
         "kept_tokens": cache.kept_tokens,
         "kv_bytes": cache.nbytes(),
-        "seconds": seconds,
-        "tokens_per_s": new_tokens.numel() / seconds,
+        "prefill_s": first - start,
+        "tokens_per_s": (new_tokens.numel() - 1) / (end - first) if end > first else float("nan"),
     }
 
 
@@ -124,6 +143,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(
         f"\n[{result['policy']}] kept {result['kept_tokens']} of {result['seen_tokens']} tokens "
         f"(most per layer and KV head) | KV cache {_mib(result['kv_bytes'])} | "
+        f"prefill {result['prefill_s']:.1f} s | "
         f"{result['new_tokens']} new tokens at {result['tokens_per_s']:.1f} tokens/s",
         file=sys.stderr,
     )
@@ -164,7 +184,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     stats = [
         ("kept tokens / seen", lambda r: f"{r['kept_tokens']} / {r['seen_tokens']}"),
         ("KV cache", lambda r: _mib(r["kv_bytes"])),
-        ("tokens/s", lambda r: f"{r['tokens_per_s']:.1f}"),
+        ("prefill", lambda r: f"{r['prefill_s']:.1f} s"),
+        ("decode tokens/s", lambda r: f"{r['tokens_per_s']:.1f}"),
     ]
     for label, fmt in stats:
         print(" | ".join(f"{label}: {fmt(r)}".ljust(width) for r in results))

@@ -36,7 +36,7 @@ from transformers import DynamicCache
 
 from .attention import enable
 from .cache import KVCache
-from .policies import Full, Policy, from_name
+from .policies import Full, Policy, budget_tokens, from_name
 
 Cache = DynamicCache | KVCache
 Row = dict[str, Any]
@@ -79,11 +79,6 @@ STEP_COLUMNS = ["policy", "prompt_len", "batch", "step", "context", "step_ms"]
 
 
 # -- what runs ---------------------------------------------------------------------------------------------
-def budget_tokens(budget: float, prompt_len: int) -> int:
-    """Cache budget in tokens: a fraction of the prompt, as the paper's ratio budgets."""
-    return int(budget * prompt_len)
-
-
 def make_policy(name: str, tokens: int | None) -> Policy | None:
     """The policy called `name` at `tokens` tokens per head (H2O half heavy, half recent;
     StreamingLLM 4 sinks); None for the stock baseline."""

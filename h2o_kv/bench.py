@@ -36,7 +36,7 @@ from transformers import DynamicCache
 
 from .attention import enable
 from .cache import KVCache
-from .policies import Full, Policy, budget_tokens, from_name
+from .policies import Full, Policy, budget_tokens, build
 
 Cache = DynamicCache | KVCache
 Row = dict[str, Any]
@@ -88,7 +88,7 @@ def make_policy(name: str, tokens: int | None) -> Policy | None:
         return Full()
     if name == "full":
         raise ValueError(f"say {BASELINE!r} (stock model) or 'full-kv' (h2o-kv's path, no eviction)")
-    return from_name(name, tokens)
+    return build(name, tokens)
 
 
 def describe(policy: Policy | None) -> str:

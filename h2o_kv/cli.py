@@ -29,8 +29,7 @@ def policy_from_args(args: argparse.Namespace, prompt_len: int) -> policies.Poli
         raise ValueError(f"--policy {name} needs --budget (tokens, or a fraction of the prompt such as 0.2)")
     if args.budget <= 0:
         raise ValueError(f"--budget must be > 0 (tokens, or a fraction of the prompt), got {args.budget:g}")
-    budget = args.budget if args.budget < 1 else int(args.budget)  # < 1: a fraction of the prompt
-    return policies.from_name(name, policies.budget_tokens(budget, prompt_len), sinks=args.sinks)
+    return policies.build(name, args.budget, sinks=args.sinks)
 
 
 def _read_prompt(args: argparse.Namespace) -> str:

@@ -8,7 +8,7 @@ policy for one sequence length, so every task sizes its cache the same way. The 
 
 from __future__ import annotations
 
-from h2o_kv.policies import Budget, Full, Policy, budget_tokens, from_name, is_fraction
+from h2o_kv.policies import Budget, Full, Policy, budget_tokens, build, is_fraction
 
 __all__ = ["Budget", "budget_tokens", "is_fraction", "make_policy", "parse_budgets", "run_eval"]
 
@@ -22,9 +22,7 @@ def make_policy(name: str, budget: Budget, length: int) -> Policy:
     tokens = budget_tokens(budget, length)
     if name.lower() == "full" or tokens is None:
         return Full()
-    if name.lower().replace("-", "").replace("_", "") == "streamingllm":
-        return from_name(name, tokens, sinks=min(4, tokens - 1))
-    return from_name(name, tokens)
+    return build(name, tokens)
 
 
 def parse_budgets(text: str | list | tuple) -> list[float | int]:

@@ -16,7 +16,9 @@ __all__ = [
     "StreamingLLM",
     "TOVA",
     "NAMES",
-    "from_name",
+    "build",
+    "parse_budget",
+    "check_budget_value",
     "Budget",
     "budget_tokens",
     "is_fraction",
@@ -25,52 +27,85 @@ __all__ = [
 NAMES = ("h2o", "local", "streamingllm", "tova", "full")
 
 Budget = float | int | None  # None: the Full cache
+MAX_TOKENS = 1 << 40  # a token budget beyond this cannot mean anything real
 
 
 def is_fraction(budget: Budget) -> bool:
-    """A float budget is a fraction of the length; an int is a token count."""
+    """A float budget is a fraction of the prompt; an int is a token count."""
     return isinstance(budget, float)
 
 
-def budget_tokens(budget: Budget, length: int) -> int | None:
-    """Tokens kept per (sequence, KV head) for a budget at a sequence length (None: unbounded).
+def check_budget_value(budget: Budget, what: str = "budget") -> None:
+    """The one rule for budgets: an int >= 1 is tokens, a float in (0, 1] is a fraction of the prompt."""
+    if budget is None:
+        return
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise TypeError(f"{what} must be an int token count or a float fraction in (0, 1], got {budget!r}")
+    if isinstance(budget, float):
+        if not 0.0 < budget <= 1.0:  # nan and inf fail here too
+            raise ValueError(
+                f"{what} {budget!r} means nothing: a float is a fraction of the prompt in (0, 1], an int is tokens"
+            )
+    elif not 1 <= budget <= MAX_TOKENS:
+        raise ValueError(f"{what} as tokens must be in [1, {MAX_TOKENS}], got {budget}")
 
-    A fraction f gives int(f * length), as the paper's int(ratio * L), but at least 1 token.
+
+def parse_budget(text: str) -> int | float:
+    """Text from a flag or a request: "64" is 64 tokens; "0.2" or "20%" is a fraction of the prompt.
+
+    "1" is one token and "1.0" the whole prompt; "1.5", "0", "inf" and "nan" are refused.
+    """
+    s = str(text).strip()
+    try:
+        if s.endswith("%"):
+            budget: int | float = float(s[:-1]) / 100
+        elif s.lstrip("+").isdigit():
+            budget = int(s)
+        else:
+            budget = float(s)
+    except ValueError:
+        raise ValueError(
+            f"budget {text!r} is not a number: give tokens (64) or a fraction of the prompt (0.2)"
+        ) from None
+    check_budget_value(budget)
+    return budget
+
+
+def budget_tokens(budget: Budget, length: int) -> int | None:
+    """Tokens kept per (sequence, KV head) for a budget at a prompt length (None: unbounded).
+
+    A fraction f gives max(1, int(f * length)), as the paper's int(ratio * L); an int is itself.
     """
     if budget is None:
         return None
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        raise TypeError(f"budget must be a float fraction or an int token count, got {budget!r}")
+    check_budget_value(budget)
     if is_fraction(budget):
-        if not 0.0 < budget <= 1.0:
-            raise ValueError(f"a fractional budget must be in (0, 1], got {budget}")
         return max(1, int(budget * length))
-    if budget < 1:
-        raise ValueError(f"a token budget must be >= 1, got {budget}")
     return int(budget)
 
 
-def from_name(name: str, budget: int | None = None, *, sinks: int = 4) -> Policy:
-    """A policy at a total budget of `budget` tokens per (sequence, KV head), split the usual way.
+def build(name: str, budget: Budget = None, *, sinks: int = 4) -> Policy:
+    """The one way to turn a policy name and a budget into a policy (CLI, eval, bench and server).
 
-    H2O splits its budget evenly between heavy hitters and the recent window, as in the paper;
-    StreamingLLM keeps `sinks` sink tokens and a window of the rest.
+    `budget` is tokens per (sequence, KV head) as an int, or a fraction of the prompt as a float in
+    (0, 1], sized per sequence when the cache sees its prompt. H2O splits it evenly between heavy
+    hitters and the recent window (the paper's 50/50); StreamingLLM keeps `sinks` sink tokens
+    (budget - 1 when the budget is smaller) and a window of the rest. "full" takes no budget.
     """
-    key = name.lower().replace("-", "").replace("_", "")
-    if key == "full":
-        return Full()
+    key = str(name).lower().replace("-", "").replace("_", "")
     if key not in NAMES:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(NAMES)}")
+    if key == "full":
+        if budget is not None:
+            raise ValueError("policy 'full' keeps every token and takes no budget")
+        return Full()
     if budget is None:
-        raise ValueError(f"policy {name!r} needs a budget")
-    if budget <= 0:
-        raise ValueError(f"budget must be > 0, got {budget}")
+        raise ValueError(f"policy {name!r} needs a budget: tokens (64) or a fraction of the prompt (0.2)")
+    check_budget_value(budget)
     if key == "h2o":
-        return H2O(heavy=budget // 2, recent=budget - budget // 2)
+        return H2O(budget=budget)
     if key == "local":
         return Local(window=budget)
     if key == "tova":
         return TOVA(budget=budget)
-    if budget <= sinks:
-        raise ValueError(f"StreamingLLM needs a budget larger than its {sinks} sink tokens, got {budget}")
-    return StreamingLLM(sinks=sinks, window=budget - sinks)
+    return StreamingLLM(sinks=sinks, budget=budget)

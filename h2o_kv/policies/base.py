@@ -1,4 +1,4 @@
-"""The interface every eviction policy implements (see shared EVICTION.md, "Policies").
+"""The interface every eviction policy implements (see docs/eviction.md, "Policies").
 
 A policy is a small frozen dataclass. It says how many tokens a (sequence, KV head) may keep
 (`capacity`) and, when there are too many, which go first (`priority`: lowest is evicted first,
@@ -64,3 +64,21 @@ def check_ratio(name: str, value: float | None) -> None:
 def ratio_of(ratio: float, prompt_len: torch.Tensor) -> torch.Tensor:
     """floor(ratio * prompt length), as the reference code's int(ratio * L)."""
     return torch.floor(prompt_len.to(torch.float64) * float(ratio)).to(torch.int64)
+
+
+def check_size(name: str, value: int | float | None) -> None:
+    """A budget field: an int token count >= 1, or a float fraction of the prompt in (0, 1]."""
+    if value is None:
+        return
+    if isinstance(value, float):
+        if not 0.0 < value <= 1.0:  # also rejects nan and inf
+            raise ValueError(f"{name} as a fraction of the prompt must be in (0, 1], got {value!r}")
+        return
+    check_budget(name, value)
+
+
+def tokens_of(value: int | float, prompt_len: torch.Tensor) -> torch.Tensor:
+    """Tokens for a budget field per sequence: an int as is, a fraction f as max(1, floor(f * prompt length))."""
+    if isinstance(value, float):
+        return ratio_of(value, prompt_len).clamp(min=1)
+    return torch.full_like(prompt_len, value)

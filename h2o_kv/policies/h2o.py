@@ -10,48 +10,60 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Policy, SlotState, check_budget, check_ratio, ratio_of
+from .base import Policy, SlotState, check_budget, check_ratio, check_size, ratio_of, tokens_of
 
 
 @dataclass(frozen=True)
 class H2O(Policy):
     """Heavy hitters + recent window.
 
-    Give token counts (`heavy`, `recent`), a total `budget` with `recent` (heavy = budget - recent),
-    or the paper's fractions of the prompt length (`heavy_ratio`, `recent_ratio`), fixed once the
-    first forward call has been seen.
+    Give token counts (`heavy`, `recent`); or a total `budget` (tokens, or a float fraction of the
+    prompt) split evenly, or with a given `recent` (heavy = budget - recent); or the paper's
+    fractions of the prompt length (`heavy_ratio`, `recent_ratio`). Fractions are sized from the
+    prompt's length when the cache first sees it.
     """
 
     heavy: int | None = None
     recent: int | None = None
     heavy_ratio: float | None = None
     recent_ratio: float | None = None
-    budget: int | None = None
+    budget: int | float | None = None
     needs_scores = True
 
     def __post_init__(self) -> None:
-        counts = self.heavy is not None or self.recent is not None
+        counts = self.heavy is not None or (self.recent is not None and self.budget is None)
         ratios = self.heavy_ratio is not None or self.recent_ratio is not None
-        if counts and ratios:
-            raise ValueError("H2O: give token counts (heavy, recent) or ratios (heavy_ratio, recent_ratio), not both")
-        if not counts and not ratios:
-            raise ValueError("H2O needs a budget: H2O(heavy=64, recent=64) or H2O(heavy_ratio=0.1, recent_ratio=0.1)")
+        given = [
+            name
+            for name, on in (("heavy/recent", counts), ("ratios", ratios), ("budget", self.budget is not None))
+            if on
+        ]
+        if len(given) > 1:
+            raise ValueError(
+                f"H2O: give one of heavy/recent, heavy_ratio/recent_ratio or budget, got {' and '.join(given)}, not both"
+            )
+        if not given:
+            raise ValueError(
+                "H2O needs a size: H2O(heavy=64, recent=64), H2O(budget=128), H2O(budget=0.2) "
+                "or H2O(heavy_ratio=0.1, recent_ratio=0.1)"
+            )
         if self.budget is not None:
-            check_budget("budget", self.budget)
-            if self.recent is None or self.heavy is not None or ratios:
-                raise ValueError("H2O(budget=...) takes `recent` and derives heavy = budget - recent")
+            check_size("budget", self.budget)
             check_budget("recent", self.recent, allow_zero=True)
-            if self.recent > self.budget:
-                raise ValueError(f"H2O: recent={self.recent} is larger than the capacity budget={self.budget}")
-            object.__setattr__(self, "heavy", self.budget - self.recent)
-        if counts:
-            object.__setattr__(self, "heavy", self.heavy or 0)
-            object.__setattr__(self, "recent", self.recent or 0)
+            if self.recent is not None and isinstance(self.budget, int) and self.recent > self.budget:
+                raise ValueError(f"H2O: recent={self.recent} is larger than budget={self.budget}")
+        elif counts:
+            object.__setattr__(self, "heavy", 0 if self.heavy is None else self.heavy)
+            object.__setattr__(self, "recent", 0 if self.recent is None else self.recent)
             check_budget("heavy", self.heavy, allow_zero=True)
             check_budget("recent", self.recent, allow_zero=True)
             if self.heavy + self.recent <= 0:
                 raise ValueError("H2O: heavy + recent must be > 0 (a zero budget keeps nothing)")
         else:
+            for name in ("heavy_ratio", "recent_ratio"):
+                value = getattr(self, name)
+                if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                    raise TypeError(f"H2O: {name} must be a float, got {type(value).__name__} {value!r}")
             object.__setattr__(self, "heavy_ratio", float(self.heavy_ratio or 0.0))
             object.__setattr__(self, "recent_ratio", float(self.recent_ratio or 0.0))
             check_ratio("heavy_ratio", self.heavy_ratio)
@@ -61,6 +73,10 @@ class H2O(Policy):
 
     def split(self, prompt_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(heavy, recent) per sequence. Ratio budgets keep at least one recent token."""
+        if self.budget is not None:
+            total = tokens_of(self.budget, prompt_len)
+            recent = total - total // 2 if self.recent is None else total.clamp(max=self.recent)
+            return total - recent, recent
         if self.heavy_ratio is None:
             return torch.full_like(prompt_len, self.heavy), torch.full_like(prompt_len, self.recent)
         heavy = ratio_of(self.heavy_ratio, prompt_len)
@@ -77,6 +93,9 @@ class H2O(Policy):
         return state.score.masked_fill(is_recent, float("inf"))
 
     def describe(self) -> str:
+        if self.budget is not None:
+            recent = "" if self.recent is None else f", recent={self.recent}"
+            return f"H2O(budget={self.budget:g}{recent})"
         if self.heavy_ratio is not None:
             return f"H2O(heavy_ratio={self.heavy_ratio:g}, recent_ratio={self.recent_ratio:g})"
         return f"H2O(heavy={self.heavy}, recent={self.recent})"

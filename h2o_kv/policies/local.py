@@ -6,23 +6,23 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Policy, SlotState, check_budget
+from .base import Policy, SlotState, check_size, tokens_of
 
 
 @dataclass(frozen=True)
 class Local(Policy):
-    """Keeps the newest `window` tokens; evicts the oldest."""
+    """Keeps the newest `window` tokens (an int, or a float fraction of the prompt); evicts the oldest."""
 
-    window: int
+    window: int | float
 
     def __post_init__(self) -> None:
-        check_budget("window", self.window)
+        check_size("window", self.window)
 
     def capacity(self, prompt_len: torch.Tensor) -> torch.Tensor | None:
-        return torch.full_like(prompt_len, self.window)
+        return tokens_of(self.window, prompt_len)
 
     def priority(self, state: SlotState) -> torch.Tensor:
         return state.pos.to(torch.float32)
 
     def describe(self) -> str:
-        return f"Local(window={self.window})"
+        return f"Local(window={self.window:g})"

@@ -6,26 +6,43 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Policy, SlotState, check_budget
+from .base import Policy, SlotState, check_budget, check_size, tokens_of
 
 
 @dataclass(frozen=True)
 class StreamingLLM(Policy):
-    """Keeps the first `sinks` tokens of the sequence forever, plus the newest `window` tokens."""
+    """Keeps the first `sinks` tokens of the sequence forever, plus the newest `window` tokens.
+
+    Or give a total `budget` (tokens, or a fraction of the prompt) instead of `window`: the window is
+    then budget - sinks, and a budget too small for the sinks keeps budget - 1 sinks and one recent token.
+    """
 
     sinks: int = 4
-    window: int = 252
+    window: int | None = None
+    budget: int | float | None = None
 
     def __post_init__(self) -> None:
         check_budget("sinks", self.sinks, allow_zero=True)
+        if (self.window is None) == (self.budget is None):
+            raise ValueError("StreamingLLM takes a `window` (tokens after the sinks) or a total `budget`, not both")
         check_budget("window", self.window)
+        check_size("budget", self.budget)
+
+    def _sinks(self, prompt_len: torch.Tensor) -> torch.Tensor:
+        if self.budget is None:
+            return torch.full_like(prompt_len, self.sinks)
+        return (tokens_of(self.budget, prompt_len) - 1).clamp(max=self.sinks)
 
     def capacity(self, prompt_len: torch.Tensor) -> torch.Tensor | None:
-        return torch.full_like(prompt_len, self.sinks + self.window)
+        if self.budget is None:
+            return torch.full_like(prompt_len, self.sinks + self.window)
+        return tokens_of(self.budget, prompt_len)
 
     def priority(self, state: SlotState) -> torch.Tensor:
         age_order = state.pos.to(torch.float32)
-        return age_order.masked_fill(state.pos < self.sinks, float("inf"))
+        return age_order.masked_fill(state.pos < self._sinks(state.prompt_len), float("inf"))
 
     def describe(self) -> str:
-        return f"StreamingLLM(sinks={self.sinks}, window={self.window})"
+        if self.budget is None:
+            return f"StreamingLLM(sinks={self.sinks}, window={self.window})"
+        return f"StreamingLLM(sinks={self.sinks}, budget={self.budget:g})"

@@ -6,25 +6,25 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Policy, SlotState, check_budget
+from .base import Policy, SlotState, check_size, tokens_of
 
 
 @dataclass(frozen=True)
 class TOVA(Policy):
     """Evicts the token the most recent query attended to least (averaged over the group's heads)."""
 
-    budget: int
+    budget: int | float  # tokens, or a fraction of the prompt
     needs_last = True
 
     def __post_init__(self) -> None:
-        check_budget("budget", self.budget)
+        check_size("budget", self.budget)
 
     def capacity(self, prompt_len: torch.Tensor) -> torch.Tensor | None:
-        return torch.full_like(prompt_len, self.budget)
+        return tokens_of(self.budget, prompt_len)
 
     def priority(self, state: SlotState) -> torch.Tensor:
         assert state.last is not None
         return state.last
 
     def describe(self) -> str:
-        return f"TOVA(budget={self.budget})"
+        return f"TOVA(budget={self.budget:g})"

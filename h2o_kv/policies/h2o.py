@@ -40,7 +40,7 @@ class H2O(Policy):
         ]
         if len(given) > 1:
             raise ValueError(
-                f"H2O: give one of heavy/recent, heavy_ratio/recent_ratio or budget, got {' and '.join(given)}, not both"
+                f"H2O: give one of heavy/recent, ratios or budget; got {' and '.join(given)}, not both"
             )
         if not given:
             raise ValueError(

@@ -1,287 +1,21 @@
-"""Where tokens live: a transformers `Cache` whose layers keep a bounded set of slots per KV head.
+"""The cache a model is given: a transformers `Cache` of `KVLayer`s sharing one policy.
 
-Each layer stores keys and values in slots, [batch, kv_heads, slots, head_dim], with each slot's
-absolute position (-1 = empty) and accumulated score. A forward call with n new tokens:
-  1. `update` (called by the model) hands the new keys/values to the layer;
-  2. the h2o-kv attention function calls `forward_attention`, which writes the new tokens into
-     free slots, attends over the slots with the queries, adds the attention to the scores, and
-     evicts down to the policy's capacity by freeing slots (see shared EVICTION.md).
-In "drop" mode freed slots are reused, so once full the storage stays `capacity + 1` slots
-(the extra slot takes the incoming token while decoding). In "mask" mode (the paper's accuracy
-protocol) nothing is ever freed: evicted tokens stay in memory, masked per head.
+`KVCache` is what users pass as `past_key_values`. Its `update` hands each layer's new keys to
+the h2o-kv attention call that follows (see attention.py); the layers do the work (layer.py).
+It also lets a serving engine move whole sequences in and out of a running batch
+(`append_rows`, `select_rows`).
 """
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
-from .attention import attend, set_pending
-from .policies import Policy, SlotState
+from .attention import hand_off
+from .layer import KVLayer, Mode, Settings
+from .policies import Policy
 
-Mode = Literal["drop", "mask"]
-GROWTH = 256  # slots added at a time to an unbounded (Full) cache
-
-
-class KVLayer(CacheLayerMixin):
-    """One attention layer's slots. Everything is per (sequence, KV head); no Python loops over them."""
-
-    is_sliding = False
-    is_compileable = False
-    is_croppable = False
-
-    def __init__(self, cache: KVCache, layer_idx: int) -> None:
-        super().__init__()
-        self.cache = cache
-        self.layer_idx = layer_idx
-        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.seen = 0  # columns seen, padding included: what transformers counts positions from
-
-    # -- transformers' layer interface ---------------------------------------------------------------
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        batch, heads, _, dim = key_states.shape
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys = key_states.new_zeros(batch, heads, 0, dim)
-        self.values = value_states.new_zeros(batch, heads, 0, value_states.shape[-1])
-        self.pos = torch.full((batch, heads, 0), -1, dtype=torch.int64, device=self.device)
-        self.score = torch.zeros(batch, heads, 0, dtype=torch.float32, device=self.device)
-        self.last = torch.zeros_like(self.score) if self.cache.policy.needs_last else None
-        self.next_pos = torch.zeros(batch, 1, 1, dtype=torch.int64, device=self.device)
-        self.prompt_len: torch.Tensor | None = None
-        self.capacity: torch.Tensor | None = None  # [B, 1] once the prompt is seen; None = unbounded
-        self.max_capacity: int | None = None
-        self.min_capacity: int | None = None
-        self.kept_bound = 0  # upper bound on kept tokens per (sequence, head), known without a sync
-        self.used = 0  # slots at or after this index are free (mask mode never reuses a slot)
-        self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self.is_initialized and key_states.shape[0] != self.keys.shape[0]:
-            raise ValueError(
-                f"this KVCache holds {self.keys.shape[0]} sequences but got a batch of {key_states.shape[0]}: "
-                "use a new KVCache (or cache.reset()) for a different batch"
-            )
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.pending = (key_states, value_states)
-        return key_states, value_states
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # The model's mask covers only the new tokens (causality and padding among them);
-        # which cached tokens each head may see is the layer's business.
-        return query_length, self.seen
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        self.is_initialized = False
-        self.keys = self.values = None
-        self.pending = None
-        self.seen = 0
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.batch_select_indices(beam_idx)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_batch(lambda t: t.index_select(0, indices.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def _map_batch(self, fn) -> None:
-        if not self.is_initialized:
-            return
-        for name in ("keys", "values", "pos", "score", "last", "next_pos", "prompt_len", "capacity"):
-            value = getattr(self, name)
-            if value is not None:
-                setattr(self, name, fn(value))
-
-    # -- the work: insert, attend, evict ---------------------------------------------------------------
-    def forward_attention(
-        self,
-        query: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        *,
-        scaling: float,
-        window: int | None = None,
-        softcap: float | None = None,
-    ) -> torch.Tensor:
-        """Attention output [B, n, Hq, D] for the pending tokens; the cache is updated and evicted."""
-        assert self.pending is not None
-        new_keys, new_values = self.pending
-        self.pending = None
-        batch, n = query.shape[0], query.shape[2]
-        real, has_padding = self.cache.real_tokens(attention_mask, batch, n, query.device)
-        real_before = real.cumsum(1)  # real tokens up to and including each column
-        qpos = torch.where(real, self.next_pos.view(batch, 1) + real_before - 1, -1)
-        first_pos = self.next_pos.view(batch)
-        self.next_pos = self.next_pos + real.sum(1).view(batch, 1, 1)
-        self.seen += n
-        if self.prompt_len is None:
-            self._fix_budget(real.sum(1))
-        policy = self.cache.policy
-        chunk = self.cache.prefill_chunk or n
-        outputs = []
-        for start in range(0, n, chunk):
-            stop = min(n, start + chunk)
-            chunk_pos = qpos[:, start:stop]
-            new_from = self._insert(new_keys[:, :, start:stop], new_values[:, :, start:stop], chunk_pos)
-            out, scores, last = attend(
-                query[:, :, start:stop],
-                self.keys,
-                self.values,
-                self.pos,
-                chunk_pos,
-                scaling=scaling,
-                window=window,
-                softcap=softcap,
-                has_padding=has_padding,
-                new_from=new_from,
-                want_scores=policy.needs_scores,
-                want_last=policy.needs_last,
-            )
-            if scores is not None:
-                self.score[..., : scores.shape[-1]] += scores
-            if last is not None:
-                self.last = last
-            self._evict(first_pos + real_before[:, stop - 1], window, stop - start)
-            outputs.append(out)
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
-
-    def _fix_budget(self, prompt_len: torch.Tensor) -> None:
-        self.prompt_len = prompt_len.view(-1, 1, 1)
-        capacity = self.cache.policy.capacity(prompt_len)
-        if capacity is not None:
-            self.capacity = capacity.clamp(min=1).view(-1, 1).to(self.device)
-            self.max_capacity = int(self.capacity.max())
-            self.min_capacity = int(self.capacity.min())
-
-    def _insert(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> int | None:
-        """Write new tokens into slots; padding gets a slot but stays marked empty.
-
-        A single token (decoding, drop mode) takes a free slot. Several tokens (a prompt or prefill
-        chunk), and every token in mask mode, go in order after every used slot, which lets
-        attention skip the causal upper triangle. Returns that first slot, or None.
-        """
-        batch, heads, n, dim = keys.shape
-        if self.cache.mode == "drop" and n == 1:
-            self._reserve(self.kept_bound + 1)
-            slots = (self.pos < 0).to(torch.uint8).argmax(-1, keepdim=True)
-            first, self.used = None, self.keys.shape[2]  # the free slot may be anywhere
-        else:
-            first = self.used
-            self._reserve(first + n)
-            slots = torch.arange(first, first + n, device=self.device).expand(batch, heads, n)
-            self.used = first + n
-        self.kept_bound += n
-        self.keys.scatter_(2, slots[..., None].expand(-1, -1, -1, dim), keys)
-        self.values.scatter_(2, slots[..., None].expand(-1, -1, -1, values.shape[-1]), values)
-        self.pos.scatter_(2, slots, positions[:, None, :].expand(batch, heads, n))
-        self.score.scatter_(2, slots, 0.0)
-        if self.last is not None:
-            self.last.scatter_(2, slots, 0.0)
-        return first
-
-    def _reserve(self, needed: int) -> None:
-        """Grow the slot storage to at least `needed` slots (in blocks when unbounded)."""
-        have = self.keys.shape[2]
-        if needed <= have:
-            return
-        if self.max_capacity is None:
-            needed = -(-needed // GROWTH) * GROWTH
-        extra = needed - have
-        self.keys = _grow(self.keys, extra, 0)
-        self.values = _grow(self.values, extra, 0)
-        self.pos = _grow(self.pos, extra, -1)
-        self.score = _grow(self.score, extra, 0)
-        if self.last is not None:
-            self.last = _grow(self.last, extra, 0)
-
-    def _evict(self, next_pos: torch.Tensor, window: int | None, added: int) -> None:
-        """Free slots until every (sequence, head) holds at most `capacity` tokens.
-
-        `next_pos` [B] is each sequence's next position after the tokens inserted so far; `added` is
-        how many columns the last insert brought (1 while decoding: at most one eviction per head).
-        """
-        next_pos = next_pos.view(-1, 1, 1)
-        if window is not None:  # sliding layer: tokens out of the window are never seen again
-            self._free((self.pos >= 0) & (self.pos <= next_pos - window))
-            self.kept_bound = int(self.kept().max())
-        if self.capacity is None or self.kept_bound <= self.min_capacity:
-            return
-        valid = self.pos >= 0
-        excess = valid.sum(-1) - self.capacity  # [B, H]
-        state = SlotState(self.pos, self.score, self.last, next_pos, self.prompt_len)
-        priority = self.cache.policy.priority(state).masked_fill(~valid, float("inf"))
-        if added == 1:  # decoding: every head was within capacity, so at most one token to drop
-            lowest = priority.amin(-1, keepdim=True)
-            oldest = torch.where(priority == lowest, self.pos, torch.iinfo(torch.int64).max)
-            victim = oldest.argmin(-1, keepdim=True)  # [B, H, 1]
-            drop = (excess > 0).unsqueeze(-1)
-            self.pos.scatter_(2, victim, torch.where(drop, -1, self.pos.gather(2, victim)))
-            self.score.scatter_(2, victim, torch.where(drop, 0.0, self.score.gather(2, victim)))
-            if self.last is not None:
-                self.last.scatter_(2, victim, torch.where(drop, 0.0, self.last.gather(2, victim)))
-            self.kept_bound = min(self.kept_bound, self.max_capacity)
-            return
-        # a prompt or chunk: rank by (priority, position) and drop the `excess` lowest
-        by_age = torch.sort(torch.where(valid, self.pos, torch.iinfo(torch.int64).max), dim=-1, stable=True)
-        order = by_age.indices.gather(2, torch.sort(priority.gather(2, by_age.indices), dim=-1, stable=True).indices)
-        ranks = torch.arange(order.shape[-1], device=self.device).expand_as(order)
-        rank = torch.empty_like(order).scatter_(2, order, ranks)
-        evict = valid & (rank < excess.unsqueeze(-1))
-        self._free(evict)
-        self.kept_bound = min(self.kept_bound, self.max_capacity)
-        if self.cache.mode == "drop" and self.keys.shape[2] > self.max_capacity + 1:
-            self._compact(self.max_capacity + 1)
-
-    def _free(self, mask: torch.Tensor) -> None:
-        self.pos.masked_fill_(mask, -1)
-        self.score.masked_fill_(mask, 0.0)
-        if self.last is not None:
-            self.last.masked_fill_(mask, 0.0)
-
-    def _compact(self, slots: int) -> None:
-        """Move kept tokens to the front and shrink storage to `slots` (after a prefill chunk)."""
-        order = torch.sort((self.pos < 0).to(torch.uint8), dim=-1, stable=True).indices[..., :slots]
-        dim = self.keys.shape[-1]
-        self.keys = self.keys.gather(2, order[..., None].expand(-1, -1, -1, dim))
-        self.values = self.values.gather(2, order[..., None].expand(-1, -1, -1, self.values.shape[-1]))
-        self.pos = self.pos.gather(2, order)
-        self.score = self.score.gather(2, order)
-        if self.last is not None:
-            self.last = self.last.gather(2, order)
-        self.used = min(self.kept_bound, slots)
-
-    # -- inspection ----------------------------------------------------------------------------------
-    def kept(self) -> torch.Tensor:
-        """Tokens kept per (sequence, KV head), [B, H]."""
-        return (self.pos >= 0).sum(-1)
-
-    def nbytes(self) -> int:
-        tensors = (self.keys, self.values, self.pos, self.score, self.last)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
-def _grow(t: torch.Tensor, extra: int, fill: float) -> torch.Tensor:
-    pad = t.new_full((*t.shape[:2], extra, *t.shape[3:]), fill)
-    return torch.cat([t, pad], dim=2)
-
-
-def _real_tokens(mask: torch.Tensor | None, batch: int, n: int, device: torch.device) -> torch.Tensor:
-    """[B, n] True for real tokens. A real token always attends to itself, padding never does."""
-    if mask is None:
-        return torch.ones(batch, n, dtype=torch.bool, device=device)
-    diag = mask[:, 0].diagonal(dim1=-2, dim2=-1)
-    if diag.dtype != torch.bool:  # additive float mask: 0 where attended
-        diag = diag == 0
-    return diag.expand(batch, n)
+__all__ = ["KVCache", "KVLayer", "Mode"]
 
 
 class KVCache(Cache):
@@ -290,59 +24,85 @@ class KVCache(Cache):
     Use it as `past_key_values` in `model(...)` or `model.generate(...)` after `h2o_kv.enable(model)`.
     `mode="drop"` frees evicted tokens' memory; `mode="mask"` keeps them masked (the paper's
     accuracy simulation; same outputs, full memory). `prefill_chunk` processes long inputs in
-    chunks with eviction between them, bounding the cache by capacity + chunk.
+    chunks with eviction between them, bounding the cache by capacity + chunk. `prompt_len` sizes
+    fractional budgets from that many prompt tokens, for a prompt fed in several calls.
     """
 
-    def __init__(self, policy: Policy, *, mode: Mode = "drop", prefill_chunk: int | None = None) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        *,
+        mode: Mode = "drop",
+        prefill_chunk: int | None = None,
+        prompt_len: int | None = None,
+    ) -> None:
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be an h2o_kv policy (H2O, Local, ...), got {type(policy).__name__}")
         if mode not in ("drop", "mask"):
             raise ValueError(f"mode must be 'drop' or 'mask', got {mode!r}")
-        if prefill_chunk is not None and (
-            isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk <= 0
-        ):
-            raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
-        self.policy = policy
-        self.mode = mode
-        self.prefill_chunk = prefill_chunk
-        self._real_memo: tuple | None = None
+        for name, value in (("prefill_chunk", prefill_chunk), ("prompt_len", prompt_len)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.settings = Settings(policy, mode, prefill_chunk, prompt_len)
         super().__init__(layer_class_to_replicate=self._new_layer)
 
-    def real_tokens(
-        self, mask: torch.Tensor | None, batch: int, n: int, device: torch.device
-    ) -> tuple[torch.Tensor, bool]:
-        """Which new columns are real tokens, and whether any is padding; computed once per forward."""
-        if self._real_memo is not None and self._real_memo[0] is mask and self._real_memo[1].shape == (batch, n):
-            return self._real_memo[1], self._real_memo[2]
-        real = _real_tokens(mask, batch, n, device)
-        self._real_memo = (mask, real, not bool(real.all()))
-        return real, self._real_memo[2]
+    policy = property(lambda self: self.settings.policy)
+    mode = property(lambda self: self.settings.mode)
+    prefill_chunk = property(lambda self: self.settings.prefill_chunk)
 
     def _new_layer(self) -> KVLayer:
-        return KVLayer(self, len(self.layers))
+        return KVLayer(self.settings, len(self.layers))
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        previous = set_pending(None)
-        if previous is not None and previous.cache is self and previous.pending is not None:
-            previous.pending = None  # the last layer's keys never reached h2o-kv attention
+        previous = hand_off(None, key_states)
+        if previous is not None and previous[0] in self.layers and previous[0].pending is not None:
+            previous[0].pending = None  # the last layer's keys never reached h2o-kv attention
             raise RuntimeError(
                 "h2o_kv.KVCache needs the model's attention to go through h2o-kv to see attention scores: "
                 "call h2o_kv.enable(model) first (this attention implementation does not give scores)"
             )
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        set_pending(self.layers[layer_idx])
+        hand_off(self.layers[layer_idx], keys)
         return keys, values
 
+    # -- sequences in and out of a running batch (continuous batching) --------------------------------
+    @property
+    def batch_size(self) -> int:
+        layer = self.layers[0] if self.layers else None
+        return layer.keys.shape[0] if layer is not None and layer.is_initialized else 0
+
+    def select_rows(self, rows: torch.Tensor | list[int]) -> None:
+        """Keep only these sequences (in this order) and shrink the storage to what they hold."""
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        for layer in self.layers:
+            layer.select_rows(rows)
+
+    def append_rows(self, other: KVCache) -> None:
+        """Move the sequences of `other` (same policy and mode, same model, prompt seen) after this cache's."""
+        if other.policy != self.policy or other.mode != self.mode:
+            raise ValueError(
+                f"can only join caches with the same policy and mode: {self.policy.describe()} ({self.mode}) "
+                f"vs {other.policy.describe()} ({other.mode})"
+            )
+        if len(other.layers) != len(self.layers):
+            raise ValueError(f"cannot join a cache of {len(other.layers)} layers to one of {len(self.layers)}")
+        for mine, theirs in zip(self.layers, other.layers):
+            mine.append_rows(theirs)
+
+    # -- inspection -------------------------------------------------------------------------------------
     @property
     def seen_tokens(self) -> int:
         """Real tokens (padding excluded) that have passed through the cache, longest sequence."""
         layer = self.layers[0] if self.layers else None
-        return int(layer.next_pos.max()) if layer is not None and layer.is_initialized else 0
+        return int(layer.next_pos.max()) if layer is not None and layer.is_initialized and self.batch_size else 0
 
     @property
     def kept_tokens(self) -> int:
         """Most tokens any (layer, sequence, KV head) holds now."""
-        return max((int(layer.kept().max()) for layer in self.layers if layer.is_initialized), default=0)
+        return max(
+            (int(layer.kept().max()) for layer in self.layers if layer.is_initialized and layer.kept().numel()),
+            default=0,
+        )
 
     def kept_per_head(self) -> torch.Tensor:
         """Kept tokens as [layers, batch, kv_heads]."""

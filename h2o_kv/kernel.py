@@ -1,0 +1,91 @@
+"""The attention kernel over cache slots: a pure function of tensors, no state.
+
+It computes what the layer needs in one pass: the attention output, the attention each slot
+received (for H2O-style scores) and the last query's attention (for TOVA).
+"""
+
+from __future__ import annotations
+
+import torch
+
+QUERY_BLOCK_ELEMENTS = 1 << 21  # a block's [heads x queries x slots] logits: 8 MiB in float32, cache-sized
+
+
+def attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    pos: torch.Tensor,
+    qpos: torch.Tensor,
+    *,
+    scaling: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    has_padding: bool = False,
+    new_from: int | None = None,
+    want_scores: bool = False,
+    want_last: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Attention of new queries over cache slots, per KV head, returning what the policies need.
+
+    q [B, Hq, n, D]; keys/values [B, H, S, D]; pos [B, H, S] slot positions (-1 = empty);
+    qpos [B, n] query positions (-1 = padding; pass has_padding=True then). A query at t sees
+    slots with 0 <= pos <= t (and pos > t - window on sliding layers). When the n new tokens sit
+    in slots new_from .. new_from + n - 1 in order, query i can only see slots before
+    new_from + i + 1, so later slots are skipped (causal blocks are not computed).
+    Returns the output [B, n, Hq, D], the attention each slot received summed over queries and
+    the group's heads [B, H, S] (float32), and the attention from the last query averaged over
+    the group's heads [B, H, S]. Queries go in blocks so no [n x S] matrix is materialised.
+    """
+    batch, q_heads, n, dim = q.shape
+    kv_heads, slots = keys.shape[1], keys.shape[2]
+    group = q_heads // kv_heads
+    q = (q * scaling).view(batch, kv_heads, group, n, dim)
+    block = max(1, QUERY_BLOCK_ELEMENTS // max(1, batch * q_heads * slots))
+    # In-order new tokens without padding or window: only empty old slots and the causal triangle
+    # of each block need masking, no [queries x slots] mask has to be built.
+    in_order = new_from is not None and window is None and not has_padding
+    old_holes = (pos[:, :, None, None, :new_from] < 0) if in_order else None
+    if old_holes is not None and not bool(old_holes.any()):
+        old_holes = None
+    outputs = []
+    scores = pos.new_zeros(pos.shape, dtype=torch.float32) if want_scores else None
+    last = None
+    for start in range(0, n, block):
+        stop = min(n, start + block)
+        width = slots if new_from is None else new_from + stop
+        logits = torch.matmul(q[:, :, :, start:stop].reshape(batch, kv_heads, -1, dim), keys[:, :, :width].mT)
+        logits = logits.view(batch, kv_heads, group, stop - start, width).float()
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        if in_order:
+            if old_holes is not None:
+                logits[..., :new_from].masked_fill_(old_holes, float("-inf"))
+            triangle = torch.ones(stop - start, stop - start, dtype=torch.bool, device=q.device).triu_(1)
+            logits[..., new_from + start :].masked_fill_(triangle, float("-inf"))
+        else:
+            block_pos = pos[:, :, None, None, :width]  # [B, H, 1, 1, S']
+            if n == 1 and window is None and not has_padding:
+                hidden = block_pos < 0  # decoding: every kept token precedes the query
+            else:
+                t = qpos[:, None, None, start:stop, None]  # [B, 1, 1, m, 1]
+                hidden = (block_pos < 0) | (block_pos > t)
+                if window is not None:
+                    hidden = hidden | (block_pos <= t - window)
+            logits.masked_fill_(hidden, float("-inf"))
+        # Unnormalised softmax: exp in place, then divide the (small) outputs and score weights by
+        # the row sums instead of normalising the big [queries x slots] matrix.
+        row_max = logits.amax(dim=-1, keepdim=True).nan_to_num_(0.0, neginf=0.0)  # padding rows: all -inf
+        weights = logits.sub_(row_max).exp_().view(batch, kv_heads, -1, width)  # [B, H, G*m, S']
+        inv_sum = weights.sum(dim=-1, keepdim=True).clamp_min_(1e-30).reciprocal_()  # [B, H, G*m, 1]
+        out = torch.matmul(weights.to(values.dtype), values[:, :, :width]) * inv_sum.to(values.dtype)
+        outputs.append(out.view(batch, q_heads, stop - start, dim))
+        if scores is not None:
+            scores[..., :width] += torch.matmul(inv_sum.mT, weights).squeeze(-2)
+        if want_last and stop == n:
+            rows = weights.view(batch, kv_heads, group, stop - start, width)[:, :, :, -1]
+            probs_last = rows * inv_sum.view(batch, kv_heads, group, stop - start, 1)[:, :, :, -1]
+            last = torch.zeros_like(pos, dtype=torch.float32)
+            last[..., :width] = probs_last.mean(dim=2)
+    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+    return out.transpose(1, 2).contiguous(), scores, last

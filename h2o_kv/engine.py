@@ -1,0 +1,342 @@
+"""The generation engine: continuous batching over bounded KV caches, admitted by KV memory.
+
+    engine = Engine(model, tokenizer, policy="h2o", budget=0.2, kv_memory=2**30)
+    request = engine.submit(prompt_ids, max_tokens=64)
+    engine.run()                      # or engine.start() for a background thread
+    print(request.result().text)
+
+One iteration (`step`): admit waiting requests whose KV fits in `kv_memory` (FIFO), run one
+prefill chunk of the oldest admitted prompt (so running streams keep flowing while a long prompt
+joins), then one decode step for every running sequence. A prefilled request joins the running
+batch of its policy (requests with the same policy and budget share one `KVCache` and one forward
+call); a finished or cancelled request leaves it and its rows are freed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+import torch
+
+from . import policies
+from .attention import enable
+from .cache import KVCache
+from .generation import Sampling, decode_step, forward, sample
+from .layer import GROWTH
+from .policies import Policy
+from .request import Completion, Event, Request
+
+__all__ = ["Engine", "Request", "Event", "Completion", "Sampling"]
+
+
+class Engine:
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        policy: str = "h2o",
+        budget: policies.Budget = 0.2,
+        kv_memory: int | None = None,
+        max_batch: int = 16,
+        prefill_chunk: int = 256,
+        sinks: int = 4,
+        mode: str = "drop",
+    ) -> None:
+        policies.build(policy, budget, sinks=sinks)  # the defaults must make sense
+        for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if kv_memory is not None and (isinstance(kv_memory, bool) or not isinstance(kv_memory, int) or kv_memory < 1):
+            raise ValueError(f"kv_memory must be a positive number of bytes, got {kv_memory!r}")
+        self.model, self.tokenizer = enable(model), tokenizer
+        self.policy, self.budget, self.sinks, self.mode = policy, budget, sinks, mode
+        self.kv_memory, self.max_batch, self.prefill_chunk = kv_memory, max_batch, prefill_chunk
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.context_limit = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
+        self._layout = _kv_layout(config, model.dtype)
+        self.eos = _eos_ids(model, tokenizer)
+        self._lock = threading.Condition()
+        self._waiting: deque[Request] = deque()  # submitted, not admitted
+        self._prefill: deque[tuple[Request, KVCache]] = deque()  # admitted, prompt going in
+        self._groups: dict[Policy, tuple[KVCache, list[Request]]] = {}  # decoding, by policy
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self.generated_tokens = 0
+        self.finished_requests = 0
+
+    # -- the public API ----------------------------------------------------------------------------------
+    def submit(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int = 128,
+        sampling: Sampling | None = None,
+        stop: str | list[str] | tuple[str, ...] = (),
+        policy: str | None = None,
+        budget: policies.Budget = None,
+        on_event=None,
+    ) -> Request:
+        """Queue a prompt (token ids); raises ValueError at once for anything that cannot be served."""
+        if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+        stop = (stop,) if isinstance(stop, str) else tuple(stop)
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError("stop must be non-empty strings")
+        built = self.resolve_policy(policy, budget)
+        length = len(prompt_ids)
+        if built.capacity(torch.tensor([length])) is None and length + max_tokens > self.context_limit:
+            raise ValueError(
+                f"prompt ({length} tokens) + max_tokens ({max_tokens}) exceed the model's context of "
+                f"{self.context_limit} tokens with the unbounded {built.describe()} cache"
+            )
+        kv_bytes = self.kv_bytes_for(length, max_tokens, built)
+        if self.kv_memory is not None and kv_bytes > self.kv_memory:
+            raise ValueError(
+                f"this request needs {kv_bytes} bytes of KV cache under {built.describe()}, more than the "
+                f"{self.kv_memory} allowed: shorten the prompt or max_tokens, or lower the budget"
+            )
+        sampling = sampling or Sampling()
+        request = Request(
+            list(prompt_ids), built, max_tokens, sampling, stop, kv_bytes, self._detokenize, on_event=on_event
+        )
+        request.generator = sampling.generator(self.model.device)
+        with self._lock:
+            if self._closing:
+                raise RuntimeError("the engine is shutting down")
+            self._waiting.append(request)
+            self._lock.notify_all()
+        return request
+
+    def generate(self, prompt_ids: list[int], **kwargs) -> Completion:
+        """Submit one prompt and run it to the end on this thread (no background thread needed)."""
+        request = self.submit(prompt_ids, **kwargs)
+        if self._thread is None:
+            self.run()
+        return request.result()
+
+    def resolve_policy(self, policy: str | None = None, budget: policies.Budget = None) -> Policy:
+        """A request's policy: the engine's defaults, overridden by the request's name and budget."""
+        name = policy or self.policy
+        if budget is None and str(name).lower() != "full":
+            budget = self.budget if policy is None or str(self.policy).lower() != "full" else None
+        return policies.build(name, budget, sinks=self.sinks)
+
+    def kv_bytes_for(self, prompt_len: int, max_tokens: int, policy: Policy | None = None) -> int:
+        """Most KV bytes a request can hold while decoding (its admission size)."""
+        return self._slots(policy or self.resolve_policy(), prompt_len, max_tokens)[0] * self._layout
+
+    def stats(self) -> dict:
+        with self._lock:
+            running = sum(len(rows) for _, rows in self._groups.values())
+            return {
+                "running": running + len(self._prefill),
+                "waiting": len(self._waiting),
+                "kv_bytes_in_use": self.kv_bytes_in_use(),
+                "kv_bytes_reserved": self._reserved(),
+                "kv_bytes_allowed": self.kv_memory,
+                "generated_tokens": self.generated_tokens,
+                "finished_requests": self.finished_requests,
+            }
+
+    def kv_bytes_in_use(self) -> int:
+        caches = [cache for cache, _ in self._groups.values()] + [cache for _, cache in self._prefill]
+        return sum(cache.nbytes() for cache in caches)
+
+    def run(self) -> None:
+        """Step until no request is left."""
+        while self.step():
+            pass
+
+    def start(self) -> None:
+        """Run the engine loop in a background thread."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="h2o-kv-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop taking requests; finish the admitted ones (drain) or cancel everything."""
+        with self._lock:
+            self._closing = True
+            if not drain:
+                for request in self._all_requests():
+                    request.cancel()
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        else:
+            self.run()
+
+    # -- one iteration -------------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Admit, one prefill chunk, one decode step. Returns False when there was nothing to do."""
+        with self._lock:
+            self._drop_cancelled()
+            self._admit()
+            work = bool(self._prefill or self._groups)
+        if self._prefill:
+            self._prefill_chunk()
+        if self._groups:
+            self._decode()
+        return work or bool(self._waiting)
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                idle = not (self._waiting or self._prefill or self._groups)
+                if idle and self._closing:
+                    return
+                if idle:
+                    self._lock.wait(timeout=0.5)
+                    continue
+            self.step()
+
+    def _admit(self) -> None:
+        while self._waiting and self._running() < self.max_batch:
+            request = self._waiting[0]
+            if self.kv_memory is not None and self._projected(request) > self.kv_memory:
+                return  # FIFO: nothing overtakes the head of the queue
+            self._waiting.popleft()
+            cache = KVCache(request.policy, mode=self.mode, prompt_len=request.prompt_tokens)
+            self._prefill.append((request, cache))
+
+    def _prefill_chunk(self) -> None:
+        request, cache = self._prefill[0]
+        done = cache.seen_tokens
+        ids = request.prompt_ids[done : done + self.prefill_chunk]
+        device = self.model.device
+        positions = torch.arange(done, done + len(ids), device=device).view(1, -1)
+        try:
+            logits = forward(self.model, cache, torch.tensor([ids], device=device), positions=positions)
+        except Exception as err:  # the request fails, visibly; everyone else goes on
+            self._prefill.popleft()
+            self._finish(request, "error", f"{type(err).__name__}: {err}")
+            return
+        if done + len(ids) < request.prompt_tokens:
+            return
+        self._prefill.popleft()
+        token = sample(logits[0], request.sampling, request.generator)
+        if self._push(request, token):
+            return
+        group = self._groups.get(request.policy)
+        if group is None:
+            self._groups[request.policy] = (cache, [request])
+        else:
+            group[0].append_rows(cache)
+            group[1].append(request)
+
+    def _decode(self) -> None:
+        device = self.model.device
+        for policy, (cache, rows) in list(self._groups.items()):
+            tokens = torch.tensor([r.token_ids[-1] for r in rows], device=device)
+            positions = torch.tensor([r.position for r in rows], device=device)
+            try:
+                logits = decode_step(self.model, cache, tokens, positions)
+            except Exception as err:
+                del self._groups[policy]
+                for request in rows:
+                    self._finish(request, "error", f"{type(err).__name__}: {err}")
+                continue
+            greedy = logits.argmax(-1).tolist()
+            finished = [
+                self._push(r, greedy[i] if r.sampling.greedy else sample(logits[i], r.sampling, r.generator))
+                for i, r in enumerate(rows)
+            ]
+            if any(finished):
+                self._leave(policy, [i for i, gone in enumerate(finished) if not gone])
+
+    def _push(self, request: Request, token: int) -> bool:
+        self.generated_tokens += 1
+        if request.push(token, token in self.eos):
+            self.finished_requests += 1
+            return True
+        return False
+
+    def _finish(self, request: Request, reason: str, error: str | None = None) -> None:
+        request.finish(reason, error)
+        self.finished_requests += 1
+
+    def _leave(self, policy: Policy, keep: list[int]) -> None:
+        cache, rows = self._groups[policy]
+        if not keep:
+            del self._groups[policy]
+            return
+        cache.select_rows(keep)
+        self._groups[policy] = (cache, [rows[i] for i in keep])
+
+    def _drop_cancelled(self) -> None:
+        for request in [r for r in self._waiting if r.cancelled]:
+            self._waiting.remove(request)
+            self._finish(request, "cancelled")
+        for item in [item for item in self._prefill if item[0].cancelled]:
+            self._prefill.remove(item)
+            self._finish(item[0], "cancelled")
+        for policy, (_, rows) in list(self._groups.items()):
+            if any(r.cancelled for r in rows):
+                for request in rows:
+                    if request.cancelled:
+                        self._finish(request, "cancelled")
+                self._leave(policy, [i for i, r in enumerate(rows) if not r.cancelled])
+
+    # -- memory accounting ---------------------------------------------------------------------------------
+    def _slots(self, policy: Policy, prompt_len: int, max_tokens: int) -> tuple[int, int]:
+        """(slots per layer and KV head while decoding, most slots while its prompt goes in)."""
+        capacity = policy.capacity(torch.tensor([prompt_len]))
+        if self.mode == "mask":  # nothing is freed: every token keeps its slot
+            return prompt_len + max_tokens, prompt_len
+        if capacity is None:
+            final = -(-(prompt_len + max_tokens) // GROWTH) * GROWTH
+            return final, -(-prompt_len // GROWTH) * GROWTH
+        kept = int(capacity)
+        decode = min(kept, prompt_len + max_tokens) + 1
+        return decode, min(prompt_len, kept + self.prefill_chunk) + 1
+
+    def _projected(self, extra: Request) -> int:
+        """KV bytes if `extra` were admitted: every batch at its widest row, plus prompts going in."""
+        groups: dict[Policy, list[int]] = {}
+        prefill = 0
+        for request in [*self._all_running(), extra]:
+            decode, prompt = self._slots(request.policy, request.prompt_tokens, request.max_tokens)
+            groups.setdefault(request.policy, []).append(decode)
+            if request is extra or any(request is r for r, _ in self._prefill):
+                prefill += prompt
+        slots = sum(len(widths) * max(widths) for widths in groups.values()) + prefill
+        return slots * self._layout
+
+    def _reserved(self) -> int:
+        return sum(r.kv_bytes for r in self._all_running())
+
+    def _running(self) -> int:
+        return len(self._prefill) + sum(len(rows) for _, rows in self._groups.values())
+
+    def _all_running(self) -> list[Request]:
+        return [r for r, _ in self._prefill] + [r for _, rows in self._groups.values() for r in rows]
+
+    def _all_requests(self) -> list[Request]:
+        return list(self._waiting) + self._all_running()
+
+    def _detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _kv_layout(config, dtype: torch.dtype) -> int:
+    """Bytes of one slot summed over layers and KV heads: key + value + position + score (+ last)."""
+    layers = int(config.num_hidden_layers)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    element = torch.empty(0, dtype=dtype).element_size()
+    return layers * kv_heads * (2 * head_dim * element + 8 + 4 + 4)
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for value in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    return ids

@@ -39,6 +39,7 @@ def run() -> tuple[torch.nn.Module, list[dict]]:
             batch_sizes=BATCHES,
             repeats=1,
             warmup=0,
+            threads=[1],
             progress=False,
             text=text,
         )
@@ -70,7 +71,7 @@ def test_kv_bytes_match_the_cache_tensors(run):
     cfg = model.config
     per_token = kv_slot_bytes(model)
     for r in sweep(rows):
-        if r["policy"] == bench.BASELINE:  # DynamicCache: every token seen
+        if r["policy"] in bench.BASELINES:  # DynamicCache: every token seen; StaticCache: allocated for them
             assert r["kv_bytes"] == r["cache_bytes"] == r["batch"] * (r["prompt_len"] + GEN) * per_token
             continue
         slots = r["budget_tokens"] + 1  # "drop" storage: capacity plus the incoming token's slot
@@ -83,10 +84,10 @@ def test_kv_bytes_match_the_cache_tensors(run):
 def test_kv_bytes_helper_sums_the_layers_tensors():
     model = make_model("llama")
     ids = torch.randint(3, VOCAB, (2, 30))
-    for policy in (None, bench.make_policy("h2o", 6)):
-        cache = bench.new_cache(model, policy)
+    for name in (bench.DYNAMIC, bench.STATIC, "h2o"):
+        cache = bench.new_cache(model, name, bench.policy_for(name, 6, 30), max_len=33)
         with torch.inference_mode():
-            bench.decode_steps(model, bench.prefill(model, ids, cache)[0], cache, 3)
+            bench.decode_steps(model, cache, bench.prefill(model, cache, ids)[0], 30, 3)
         tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)]
         assert bench.kv_bytes(cache)[0] == sum(t.numel() * t.element_size() for t in tensors)
 
@@ -94,7 +95,7 @@ def test_kv_bytes_helper_sums_the_layers_tensors():
 def test_kv_ratio_is_the_budget_share(run):
     _, rows = run
     for r in sweep(rows):
-        if r["policy"] == bench.BASELINE:
+        if r["policy"] in bench.BASELINES:
             assert r["kv_bytes_ratio"] == 1.0
             continue
         assert r["kv_bytes_ratio"] == pytest.approx((r["budget_tokens"] + 1) / (r["prompt_len"] + GEN))
@@ -105,7 +106,7 @@ def test_token_counts(run):
     _, rows = run
     for r in sweep(rows):
         assert r["seen_tokens"] == r["prompt_len"] + GEN
-        if r["policy"] == bench.BASELINE:
+        if r["policy"] in bench.BASELINES:
             assert r["kept_tokens"] == r["seen_tokens"]
         else:
             assert r["budget_tokens"] == int(BUDGET * r["prompt_len"])
@@ -115,9 +116,10 @@ def test_token_counts(run):
 def test_same_memory_batch_fits_the_cap(run):
     _, rows = run
     same = {r["policy"]: r for r in rows if r["section"] == "same_memory"}
-    assert set(same) == {bench.BASELINE, "h2o"}
-    assert same[bench.BASELINE]["batch"] == max(BATCHES)  # the cap is Full's KV at the largest batch
-    assert same["h2o"]["batch"] > same[bench.BASELINE]["batch"]
+    assert set(same) == {*bench.BASELINES, "h2o"}
+    for name in bench.BASELINES:  # the cap is the stock caches' KV at the largest batch
+        assert same[name]["batch"] == max(BATCHES)
+        assert same["h2o"]["batch"] > same[name]["batch"]
     for r in same.values():
         assert r["kv_bytes"] <= r["cap_bytes"]
         assert r["kv_bytes"] == r["batch"] * r["kv_bytes_per_seq"]
@@ -125,10 +127,12 @@ def test_same_memory_batch_fits_the_cap(run):
 
 def test_bars_are_reported(run):
     _, rows = run
-    bars = bench.check_bars(rows)
-    assert len(bars) == 4 and all(b["passed"] is not None for b in bars)
-    assert bars[-1]["passed"]  # the KV accounting bar holds on any machine
-    assert "bars: 4096 x 4" in bars[0]["detail"]
+    bars = {b["bar"]: b for b in bench.check_bars(rows)}
+    assert len(bars) == 8 and all(b["passed"] is not None for b in bars.values())
+    assert bars["KV bytes H2O = budget share of full-sdpa"]["passed"]  # the accounting holds on any machine
+    assert "bars: 4096 x 4" in bars["decode H2O >= 1.6x static-sdpa (StaticCache) tok/s"]["detail"]
+    static = [b for b in bars.values() if "static-sdpa" in b["bar"]]
+    assert len(static) == 3  # decode, prefill and same memory against StaticCache
 
 
 def test_write_results(run, tmp_path):
@@ -144,17 +148,30 @@ def test_write_results(run, tmp_path):
     with paths["same_memory_csv"].open() as f:
         assert list(list(csv.DictReader(f))[0]) == bench.SAME_MEMORY_COLUMNS
     report = json.loads(paths["json"].read_text())
-    assert len(report["sweep"]) == len(sweep(rows)) and len(report["bars"]) == 4
-    assert paths["bars"].read_text().count("\n") == 4
+    assert len(report["sweep"]) == len(sweep(rows)) and len(report["bars"]) == 8
+    assert report["environment"]["torch_threads"] >= 1 and report["command"]
+    assert paths["bars"].read_text().count("\n") == 8
 
 
 def test_cli_flags_override_the_preset():
     parser = argparse.ArgumentParser()
     bench.add_parser(parser.add_subparsers())
-    argv = ["bench", "--size", "large", "--prompt-lens", "64,128", "--policies", "h2o,local"]
+    argv = ["bench", "--size", "large", "--prompt-lens", "64,128", "--policies", "h2o,local", "--threads", "0,1"]
     args = parser.parse_args(argv)
     assert args.func is bench.main
     assert args.prompt_lens == [64, 128] and args.policies == ["h2o", "local"] and args.gen_len is None
+    assert args.threads == [0, 1] and args.budget == 0.2 and args.dtype is None
+
+
+def test_budget_flag_means_tokens_or_a_fraction():
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers())
+    for flag, tokens in (("1", 1), ("64", 64), ("1.0", 1000), ("0.2", 200), ("20%", 200)):
+        args = parser.parse_args(["bench", "--budget", flag, "--dtype", "bfloat16"])
+        assert bench.policy_for("h2o", args.budget, 1000).capacity(torch.tensor([1000])).item() == tokens
+    for bad in ("0", "1.5", "inf", "nan", "-3"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["bench", "--budget", bad])
 
 
 def test_bad_inputs_are_rejected_before_any_work(run):
@@ -163,6 +180,8 @@ def test_bad_inputs_are_rejected_before_any_work(run):
         bench.run_bench(model, CharTokenizer(), policies=["nope"], prompt_lens=[40], text="x")
     with pytest.raises(ValueError, match="budget"):
         bench.run_bench(model, CharTokenizer(), budget=1.5, prompt_lens=[40], text="x")
+    with pytest.raises(ValueError, match="threads"):
+        bench.run_bench(model, CharTokenizer(), threads=[-1], prompt_lens=[40], text="x")
 
 
 def test_chunked_prefill_keeps_the_same_accounting(run):
@@ -185,3 +204,45 @@ def test_roofline_is_weights_plus_kept_kv_over_bandwidth():
     assert rows[0]["roofline_ms"] == pytest.approx(2.0)  # (3 MB + 1 MB) / 2 GB/s
     assert rows[0]["roofline_frac"] == pytest.approx(0.5)
     assert rows[1]["roofline_ms"] == pytest.approx(1.5) and rows[1]["roofline_frac"] is None
+
+
+def test_ratios_against_both_stock_baselines(run):
+    _, rows = run
+    at = {(r["policy"], r["prompt_len"], r["batch"]): r for r in sweep(rows)}
+    for r in sweep(rows):
+        for label, baseline in (("dynamic", bench.DYNAMIC), ("static", bench.STATIC)):
+            ref = at[(baseline, r["prompt_len"], r["batch"])]
+            assert r[f"decode_tok_s_vs_{label}"] == pytest.approx(r["decode_tok_s"] / ref["decode_tok_s"])
+            assert r[f"prefill_s_vs_{label}"] == pytest.approx(r["prefill_s"] / ref["prefill_s"])
+            assert r[f"kv_bytes_vs_{label}"] == pytest.approx(r["kv_bytes"] / ref["kv_bytes"])
+
+
+def test_token_budget_threads_and_bfloat16():
+    """An int budget is tokens at every prompt length; one row per thread count; bf16 halves the KV bytes."""
+    model = make_model("llama").to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    rows = bench.run_bench(
+        model, CharTokenizer(), policies=["h2o", bench.STATIC], budget=6, prompt_lens=[30, 60], gen_len=3,
+        batch_sizes=[1], threads=[1, 2], progress=False, text="Now is the winter of our discontent. " * 10,
+    )  # fmt: skip
+    assert torch.get_num_threads() == threads  # restored
+    per_token = kv_slot_bytes(model) // 2  # bfloat16: 2 bytes an element
+    got = {(r["policy"], r["prompt_len"], r["threads"]) for r in sweep(rows)}
+    assert got == {(p, n, t) for p in ("h2o", bench.STATIC) for n in (30, 60) for t in (1, 2)}
+    for r in sweep(rows):
+        assert r["dtype"] == "bfloat16"
+        if r["policy"] == "h2o":
+            assert r["budget_tokens"] == 6 and r["kept_tokens"] == 6 and r["kv_bytes"] == 7 * per_token
+        else:
+            assert r["kv_bytes"] == (r["prompt_len"] + 3) * per_token and r["decode_tok_s_vs_static"] == 1.0
+
+
+def test_missing_corpus_is_an_error_not_a_fallback(monkeypatch):
+    import h2o_kv.data
+
+    def broken(*args, **kwargs):
+        raise FileNotFoundError("corpus not prepared: run h2o-kv setup")
+
+    monkeypatch.setattr(h2o_kv.data, "load_corpus", broken)
+    with pytest.raises(FileNotFoundError, match="h2o-kv setup"):
+        bench.run_bench(make_model("llama"), CharTokenizer(), prompt_lens=[20], gen_len=2, batch_sizes=[1])

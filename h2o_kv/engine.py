@@ -296,14 +296,15 @@ class Engine:
         return decode, min(prompt_len, kept + self.prefill_chunk) + 1
 
     def _projected(self, extra: Request) -> int:
-        """KV bytes if `extra` were admitted: every batch at its widest row, plus prompts going in."""
+        """KV bytes if `extra` were admitted: every batch at its widest row (prompts still going in
+        counted in their batch), plus the largest prompt in flight (one prompt is prefilled at a time)."""
         groups: dict[Policy, list[int]] = {}
         prefill = 0
         for request in [*self._all_running(), extra]:
             decode, prompt = self._slots(request.policy, request.prompt_tokens, request.max_tokens)
             groups.setdefault(request.policy, []).append(decode)
             if request is extra or any(request is r for r, _ in self._prefill):
-                prefill += prompt
+                prefill = max(prefill, prompt)
         slots = sum(len(widths) * max(widths) for widths in groups.values()) + prefill
         return slots * self._layout
 

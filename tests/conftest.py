@@ -72,6 +72,30 @@ def llama() -> torch.nn.Module:
     return make_model("llama")
 
 
+def make_tokenizer():
+    """A character-level fast tokenizer with one id per model token (VOCAB) and a chat template: no downloads."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n"] + [chr(c) for c in range(192, 192 + VOCAB - 99)]
+    vocab = {"<unk>": 0, "<eos>": 1, "<pad>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = tf.PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    return tokenizer
+
+
+@pytest.fixture
+def tiny_tokenizer():
+    return make_tokenizer()
+
+
 def random_ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (batch, length), generator=gen)

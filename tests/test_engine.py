@@ -1,0 +1,163 @@
+"""The engine: continuous batching gives each request exactly its solo output, within KV memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import h2o_kv
+from h2o_kv.engine import Engine
+from h2o_kv.generation import Sampling
+
+from conftest import make_model, make_tokenizer, random_ids
+
+SPECS = [
+    dict(policy="h2o", budget=0.2),
+    dict(policy="full"),
+    dict(policy="local", budget=8),
+    dict(policy="h2o", budget=12),
+    dict(policy="tova", budget=0.5),
+    dict(policy="streamingllm", budget=10),
+]
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    return random_ids(1, length, seed=seed)[0].tolist()
+
+
+@pytest.fixture
+def engine():
+    return Engine(make_model("llama"), make_tokenizer(), max_batch=16, prefill_chunk=16)
+
+
+def test_full_policy_matches_the_unmodified_model(engine):
+    stock = make_model("llama", enable=False)
+    ids = prompt(30, seed=3)
+    with torch.no_grad():
+        expected = stock.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, 30:].tolist()
+    got = engine.generate(ids, max_tokens=12, policy="full").token_ids
+    assert got[: len(expected)] == expected[: len(got)] and len(got) >= 1
+
+
+def test_concurrent_requests_equal_solo_runs(engine):
+    requests = [(prompt(10 + 7 * i, seed=i), SPECS[i % len(SPECS)]) for i in range(12)]
+    solo = [engine.generate(ids, max_tokens=10, **spec).token_ids for ids, spec in requests]
+    handles = [engine.submit(ids, max_tokens=10, **spec) for ids, spec in requests]
+    engine.run()
+    assert [h.result().token_ids for h in handles] == solo
+    assert engine.kv_bytes_in_use() == 0 and engine.stats()["running"] == 0
+
+
+def test_sampling_with_a_seed_is_batch_invariant(engine):
+    sampling = Sampling(temperature=0.9, top_p=0.9, seed=7)
+    ids = prompt(20, seed=5)
+    solo = engine.generate(ids, max_tokens=12, sampling=sampling).token_ids
+    others = [engine.submit(prompt(15, seed=s), max_tokens=12, sampling=Sampling(0.7, seed=s)) for s in range(3)]
+    mine = engine.submit(ids, max_tokens=12, sampling=sampling)
+    engine.run()
+    assert mine.result().token_ids == solo
+    assert all(o.result().completion_tokens >= 1 for o in others)
+
+
+def test_admission_keeps_kv_bytes_within_kv_memory():
+    model, tokenizer = make_model("llama"), make_tokenizer()
+    probe = Engine(model, tokenizer)
+    one_h2o = probe.kv_bytes_for(200, 16, h2o_kv.policies.build("h2o", 0.2))
+    one_full = probe.kv_bytes_for(200, 16, h2o_kv.Full())
+    limit = 3 * one_full
+    peaks = {}
+    for spec in (dict(policy="h2o", budget=0.2), dict(policy="full")):
+        engine = Engine(model, tokenizer, kv_memory=limit, max_batch=64, prefill_chunk=256)
+        handles = [engine.submit(prompt(200, seed=i), max_tokens=16, **spec) for i in range(24)]
+        peak_running = peak_bytes = 0
+        while engine.step():
+            peak_bytes = max(peak_bytes, engine.kv_bytes_in_use())
+            peak_running = max(peak_running, engine.stats()["running"])
+            assert engine.stats()["kv_bytes_reserved"] <= limit
+        assert all(h.result().finish_reason in ("length", "stop") for h in handles)
+        assert peak_bytes <= limit
+        peaks[spec["policy"]] = peak_running
+    assert one_full / one_h2o >= 4
+    assert peaks["full"] <= 3 and peaks["h2o"] >= 4 * peaks["full"]
+
+
+def test_request_larger_than_kv_memory_is_refused_at_submit():
+    engine = Engine(make_model("llama"), make_tokenizer(), kv_memory=10_000)
+    with pytest.raises(ValueError, match="more than the 10000 allowed"):
+        engine.submit(prompt(200, seed=1), max_tokens=8, policy="full")
+
+
+def test_cancel_frees_rows_at_the_next_step(engine):
+    keep = engine.submit(prompt(20, seed=1), max_tokens=30)
+    gone = engine.submit(prompt(25, seed=2), max_tokens=30)
+    for _ in range(8):
+        engine.step()
+    assert engine.stats()["running"] == 2
+    gone.cancel()
+    engine.step()
+    assert gone.result().finish_reason == "cancelled" and engine.stats()["running"] == 1
+    assert engine.kv_bytes_in_use() > 0
+    keep.cancel()
+    engine.step()
+    assert engine.kv_bytes_in_use() == 0
+    assert len(keep.result().token_ids) < 30
+
+
+def test_a_long_prompt_joins_while_others_keep_decoding(engine):
+    running = engine.submit(prompt(10, seed=1), max_tokens=40)
+    engine.step()
+    engine.step()
+    before = len(running.token_ids)
+    joining = engine.submit(prompt(160, seed=2), max_tokens=4)  # 10 chunks of 16
+    steps = 0
+    while not joining.token_ids:
+        engine.step()
+        steps += 1
+    assert steps >= 10  # one chunk per step
+    assert len(running.token_ids) - before == steps  # a token every step meanwhile
+    engine.run()
+
+
+def test_stop_strings_end_the_text_before_them():
+    engine = Engine(make_model("llama"), make_tokenizer())
+    ids = prompt(12, seed=0)
+    full = engine.generate(ids, max_tokens=20, policy="full")
+    text = full.text
+    assert len(text) >= 6, "the tiny model should produce some text"
+    stop = text[3:5]
+    cut = engine.generate(ids, max_tokens=20, policy="full", stop=[stop])
+    assert cut.finish_reason == "stop" and cut.text == text[: text.find(stop)]
+
+
+def test_events_stream_the_same_text_from_a_background_thread():
+    engine = Engine(make_model("llama"), make_tokenizer())
+    engine.start()
+    try:
+        seen = []
+        request = engine.submit(prompt(12, seed=4), max_tokens=10, on_event=seen.append)
+        events = list(request.events(timeout=30))
+        assert events[-1].finish_reason in ("length", "stop")
+        assert "".join(e.text for e in events) == request.result().text
+        assert seen == events
+    finally:
+        engine.shutdown(drain=False, timeout=10)
+    with pytest.raises(RuntimeError, match="shutting down"):
+        engine.submit([5, 6], max_tokens=2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(prompt_ids=[]), "empty"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(budget=1.5), "means nothing"),
+        (dict(policy="lru"), "unknown policy"),
+        (dict(policy="full", prompt_ids=list(range(3, 100)) * 25, max_tokens=10), "exceed the model's context"),
+        (dict(stop=[""]), "stop"),
+    ],
+)
+def test_bad_requests_are_refused_at_submit(engine, kwargs, message):
+    args = dict(prompt_ids=[5, 6, 7], max_tokens=4) | kwargs
+    with pytest.raises(ValueError, match=message):
+        engine.submit(args.pop("prompt_ids"), **args)
+    assert engine.stats()["waiting"] == 0

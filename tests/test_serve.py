@@ -1,0 +1,232 @@
+"""`h2o-kv serve` through the real `openai` client: completions, chat, streaming, usage, stop strings,
+every refused input, client disconnects and metrics. One tiny random Llama (the bundled tokenizer's
+vocabulary) served on 127.0.0.1 at an ephemeral port."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+import httpx  # noqa: E402
+from serve_helpers import CONTEXT, MODEL, bundled_tokenizer, client, metric, running_server, tiny_model, wait_for  # noqa: E402
+
+from h2o_kv import policies  # noqa: E402
+from h2o_kv.cache import KVCache  # noqa: E402
+from h2o_kv.generation import encode, greedy_ids  # noqa: E402
+
+PROMPT = "The quick brown fox jumps over the lazy dog because"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return bundled_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return tiny_model(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def server(model, tokenizer):
+    """(engine, url): default policy h2o at 20 %; KV memory for one full-cache request of 600 tokens."""
+    from h2o_kv.engine import Engine
+
+    kv_memory = Engine(model, tokenizer).kv_bytes_for(584, 16, policies.Full())
+    with running_server(model, tokenizer, kv_memory=kv_memory, max_batch=16, prefill_chunk=32) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def api(server):
+    return client(server[1])
+
+
+def _greedy(api, **kw):
+    kw = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, **kw}
+    return api.completions.create(**kw)
+
+
+def test_models_health_and_metrics_endpoints(server, api) -> None:
+    engine, url = server
+    assert [m.id for m in api.models.list().data] == [MODEL]
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+    assert metric(url, "h2o_kv_kv_bytes_allowed") == engine.kv_memory
+    with pytest.raises(openai.NotFoundError):
+        api.models.retrieve("gpt-4")
+
+
+def test_completion_matches_the_model_loop_and_counts_usage(server, api, model, tokenizer) -> None:
+    ids = encode(tokenizer, PROMPT, chat=False)
+    want = greedy_ids(model, KVCache(policies.Full()), ids, 8)
+    out = _greedy(api, extra_body={"kv_policy": "full"})
+    assert out.choices[0].text == tokenizer.decode(want, skip_special_tokens=True)
+    assert out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (len(ids), 8, len(ids) + 8)
+    by_ids = _greedy(api, prompt=ids, extra_body={"kv_policy": "full"})  # a prompt of token ids
+    assert by_ids.choices[0].text == out.choices[0].text
+
+
+def test_bounded_policy_override_differs_from_full_on_a_long_prompt(api, model, tokenizer) -> None:
+    ids = encode(tokenizer, PROMPT * 12, chat=False)
+    cache = KVCache(policies.build("h2o", 16), prompt_len=len(ids))
+    want = tokenizer.decode(greedy_ids(model, cache, ids, 8), skip_special_tokens=True)
+    got = _greedy(api, prompt=ids, extra_body={"kv_policy": "h2o", "kv_budget": 16}).choices[0].text
+    assert got == want
+    full = _greedy(api, prompt=ids, extra_body={"kv_policy": "full"}).choices[0].text
+    assert got != full  # 16 of ~130 tokens: the override really bounded the cache
+    assert _greedy(api, prompt=ids, extra_body={"kv_budget": "100%"}).choices[0].text == full  # h2o keeping all
+
+
+def test_chat_applies_the_template_and_max_completion_tokens(api, tokenizer) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    n_prompt = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    out = api.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=50, max_completion_tokens=5
+    )
+    assert out.choices[0].message.role == "assistant"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (n_prompt, 5)
+
+
+def test_streams_carry_the_same_text_and_usage(server, api) -> None:
+    whole = _greedy(api, max_tokens=12).choices[0].text
+    chunks = list(_greedy(api, max_tokens=12, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert all(c.usage is None for c in chunks[:-1])
+
+    messages = [{"role": "user", "content": "Hello"}]
+    chat = api.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=6)
+    parts = list(api.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=6, stream=True))
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == chat.choices[0].message.content
+    assert parts[-1].choices[0].finish_reason == "length" and all(p.usage is None for p in parts)
+
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", f"{server[1]}/v1/completions", json=body, timeout=30) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+
+
+def test_stop_strings_cut_the_text_and_finish_with_stop(api) -> None:
+    text = _greedy(api, max_tokens=24).choices[0].text
+    start = next(i for i in range(4, len(text) - 3) if text.find(text[i : i + 3]) == i)
+    stop = text[start : start + 3]
+    out = _greedy(api, max_tokens=24, stop=["\u2603never", stop]).choices[0]
+    assert (out.text, out.finish_reason) == (text[:start], "stop")
+    streamed = list(_greedy(api, max_tokens=24, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == text[:start]
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible(api) -> None:
+    def sampled(seed):
+        return _greedy(api, temperature=1.0, top_p=0.9, seed=seed, max_tokens=10).choices[0].text
+
+    assert sampled(7) == sampled(7)
+    assert sampled(7) != sampled(8)
+
+
+BAD = [  # (request fields, status, param, code)
+    ({"max_tokens": -1}, 400, "max_tokens", None),
+    ({"max_tokens": 0}, 400, "max_tokens", None),
+    ({"max_tokens": 10**9}, 400, "max_tokens", None),
+    ({"n": 2}, 400, "n", None),
+    ({"model": "gpt-4"}, 404, "model", "model_not_found"),
+    ({"temperature": "hot"}, 400, "temperature", None),
+    ({"temperature": 3}, 400, "temperature", None),
+    ({"top_p": 0}, 400, "top_p", None),
+    ({"prompt": 12}, 400, "prompt", None),
+    ({"prompt": ""}, 400, "prompt", None),
+    ({"prompt": ["a", "b"]}, 400, "prompt", None),
+    ({"prompt": [1, 10**8]}, 400, "prompt", None),
+    ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop", None),
+    ({"logprobs": 2}, 400, "logprobs", None),
+    ({"stream": "yes"}, 400, "stream", None),
+    ({"kv_budget": "1.5"}, 400, "kv_budget", None),
+    ({"kv_budget": 0}, 400, "kv_budget", None),
+    ({"kv_budget": "nan"}, 400, "kv_budget", None),
+    ({"kv_policy": "lru"}, 400, "kv_policy", None),
+    ({"kv_policy": "full", "kv_budget": 64}, 400, "kv_budget", None),
+    ({"prompt": list(range(5, 5 + CONTEXT)), "kv_policy": "full"}, 400, "prompt", "context_length_exceeded"),
+    ({"prompt": list(range(5, 905)), "kv_policy": "full", "max_tokens": 16}, 400, "prompt", "kv_memory_exceeded"),
+]
+
+
+@pytest.mark.parametrize("fields,status,param,code", BAD, ids=[str(sorted(b[0]))[:40] for b in BAD])
+def test_bad_input_gets_an_openai_error_and_the_server_goes_on(server, api, fields, status, param, code) -> None:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **fields}
+    response = httpx.post(f"{server[1]}/v1/completions", json=body, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+    assert _greedy(api, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_malformed_bodies_and_the_openai_client_errors(server, api) -> None:
+    url = f"{server[1]}/v1/chat/completions"
+    for raw in (b"{not json", b"[1, 2]", b""):
+        response = httpx.post(url, content=raw, headers={"content-type": "application/json"})
+        assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+    bad_chat = [
+        {"messages": []},
+        {"messages": [{"role": "wizard", "content": "hi"}]},
+        {"messages": "hi"},
+        {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -5},
+        {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+    ]
+    for fields in bad_chat:
+        response = httpx.post(url, json={"model": MODEL, **fields})
+        assert response.status_code == 400, fields
+        assert response.json()["error"]["param"] == next(iter(k for k in fields if k != "messages"), "messages")
+    with pytest.raises(openai.BadRequestError) as err:
+        api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=-3)
+    assert err.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError):
+        api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=3)
+
+
+def test_long_prompt_is_refused_with_full_but_served_with_h2o(api) -> None:
+    ids = list(range(5, 5 + CONTEXT + 100))
+    with pytest.raises(openai.BadRequestError):
+        _greedy(api, prompt=ids, extra_body={"kv_policy": "full"})
+    out = _greedy(api, prompt=ids, max_tokens=3)  # the server's default: h2o at 20 % of the prompt
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 3
+
+
+def test_client_disconnect_cancels_and_frees_the_kv(server, api) -> None:
+    engine, url = server
+    cancelled = metric(url, "h2o_kv_requests_total", {"finish_reason": "cancelled"})
+    before = engine.stats()["generated_tokens"]
+    stream = _greedy(api, max_tokens=900, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    assert metric(url, "h2o_kv_kv_bytes_in_use") > 0
+    stream.close()
+    wait_for(lambda: metric(url, "h2o_kv_kv_bytes_in_use") == 0, what="KV bytes to return to zero")
+    wait_for(lambda: metric(url, "h2o_kv_requests_total", {"finish_reason": "cancelled"}) == cancelled + 1)
+    assert engine.stats()["running"] == 0
+    assert engine.stats()["generated_tokens"] - before < 900
+
+
+def test_metrics_count_tokens_requests_and_first_token_times(server, api) -> None:
+    url = server[1]
+    tokens, done = (
+        metric(url, "h2o_kv_generated_tokens_total"),
+        metric(url, "h2o_kv_requests_total", {"finish_reason": "length"}),
+    )
+    ttft = metric(url, "h2o_kv_time_to_first_token_seconds_count")
+    usage = [_greedy(api, max_tokens=n).usage.completion_tokens for n in (3, 5)]
+    assert metric(url, "h2o_kv_generated_tokens_total") - tokens == sum(usage) == 8
+    assert metric(url, "h2o_kv_requests_total", {"finish_reason": "length"}) - done == 2
+    assert metric(url, "h2o_kv_time_to_first_token_seconds_count") - ttft == 2
+    assert metric(url, "h2o_kv_requests_running") == 0 and metric(url, "h2o_kv_requests_waiting") == 0

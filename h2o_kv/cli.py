@@ -119,13 +119,16 @@ def _mib(n: int) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from .distributed import default_tp_plan, is_main, shared_seed, world_size
     from .models import load_model
 
     prompt = _read_prompt(args)
     policy_from_args(args, prompt_len=1000)  # reject bad flags before loading anything
-    model, tokenizer = load_model(args.model, device=args.device)
+    model, tokenizer = load_model(args.model, device=args.device, tp_plan=default_tp_plan())  # TP under torchrun
     prompt_len = int(_encode(tokenizer, prompt, args.chat, model.device)["input_ids"].shape[1])
     policy = policy_from_args(args, prompt_len)
+    if args.sample:
+        shared_seed()  # under torchrun every process must draw the same tokens
     result = generate(
         model,
         tokenizer,
@@ -137,11 +140,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         prefill_chunk=args.prefill_chunk,
         mode=args.mode,
-        stream=True,
+        stream=is_main(),
     )
+    if not is_main():  # under torchrun only rank 0 prints
+        return 0
+    share = " per process" if world_size() > 1 else ""  # tensor parallel: each process holds its KV heads
     print(
         f"\n[{result['policy']}] kept {result['kept_tokens']} of {result['seen_tokens']} tokens "
-        f"(most per layer and KV head) | KV cache {_mib(result['kv_bytes'])} | "
+        f"(most per layer and KV head) | KV cache {_mib(result['kv_bytes'])}{share} | "
         f"prefill {result['prefill_s']:.1f} s | "
         f"{result['new_tokens']} new tokens at {result['tokens_per_s']:.1f} tokens/s",
         file=sys.stderr,

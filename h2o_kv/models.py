@@ -120,20 +120,31 @@ def load_model(
     device: str = "cpu",
     dtype: torch.dtype | str | None = None,
     enable_h2o: bool = True,
+    tp_plan: str | dict | None = None,
 ) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)``: eval mode, left padding, pad token set, H2O patched in if asked.
 
     ``name`` is ``"smollm2-135m"`` (bundled), a local HF model directory, a ``.gguf`` file, or a
     hub id. ``device`` is ``"cpu"``, ``"cuda"`` or ``"auto"``; ``dtype`` defaults to float32 on
-    CPU and bfloat16 on CUDA.
+    CPU and bfloat16 on CUDA. ``tp_plan="auto"`` (in a process started by ``torchrun``) splits the
+    model by heads over the processes, each holding its share of the weights and of the KV cache on
+    the device transformers binds it to; ``device`` then only sets the default dtype. A model whose
+    heads do not divide by the number of processes is refused before loading (``h2o_kv.distributed``).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     source = _resolve(str(name))
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=_resolve_dtype(dtype, device))
-    model.to(device).eval()
+    parallel = {}
+    if tp_plan is not None:
+        from h2o_kv.distributed import tp_load_kwargs
+
+        parallel = tp_load_kwargs(source, tp_plan)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=_resolve_dtype(dtype, device), **parallel)
+    if not parallel:
+        model.to(device)
+    model.eval()
     tokenizer = AutoTokenizer.from_pretrained(source)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -8,18 +8,15 @@ import textwrap
 import time
 from collections.abc import Sequence
 
-import torch
-from transformers import TextStreamer
-from transformers.generation.streamers import BaseStreamer
-
 from . import policies
-from .cache import KVCache
+from .engine import Engine
+from .generation import Sampling, encode
 
 DEMO_QUESTION = "Who speaks in this passage, and what are they arguing about? Answer in two sentences."
 
 
-def policy_from_args(args: argparse.Namespace, prompt_len: int) -> policies.Policy:
-    """Build the policy from CLI flags. --budget is a token count, or a fraction of the prompt if < 1."""
+def policy_from_args(args: argparse.Namespace) -> policies.Policy:
+    """The policy the flags name: --heavy/--recent for H2O, else `policies.build(--policy, --budget)`."""
     name = args.policy
     if name == "h2o" and (args.heavy is not None or args.recent is not None):
         return policies.H2O(heavy=args.heavy or 0, recent=args.recent or 0)
@@ -43,32 +40,6 @@ def _read_prompt(args: argparse.Namespace) -> str:
     raise ValueError("give a prompt: --prompt TEXT, --file PATH, or text on standard input")
 
 
-def _encode(tokenizer, text: str, chat: bool, device: torch.device) -> dict[str, torch.Tensor]:
-    if chat and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-        )
-    return tokenizer(text, return_tensors="pt").to(device)
-
-
-class _Clock(BaseStreamer):
-    """Times the first generated token, so prefill and decoding speeds are reported apart."""
-
-    def __init__(self, echo: BaseStreamer | None) -> None:
-        self.echo, self.calls, self.first_token_at = echo, 0, None
-
-    def put(self, value) -> None:
-        self.calls += 1
-        if self.calls == 2:  # the first call carries the prompt, the second the first new token
-            self.first_token_at = time.perf_counter()
-        if self.echo is not None:
-            self.echo.put(value)
-
-    def end(self) -> None:
-        if self.echo is not None:
-            self.echo.end()
-
-
 def generate(
     model,
     tokenizer,
@@ -83,34 +54,36 @@ def generate(
     mode: str = "drop",
     stream: bool = False,
 ) -> dict:
-    """One generation under `policy`; returns the text, what the cache held, and prefill/decode speed."""
-    inputs = _encode(tokenizer, prompt, chat, model.device)
-    cache = KVCache(policy, mode=mode, prefill_chunk=prefill_chunk)
-    clock = _Clock(TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None)
-    sampling = dict(do_sample=True, temperature=temperature, top_p=0.95) if sample else dict(do_sample=False)
+    """One generation under `policy` through the engine; returns the text, what the cache held, and
+    prefill/decode speed. Ctrl-C stops it cleanly: what was generated so far is kept."""
+    ids = encode(tokenizer, prompt, chat=chat)
+    engine = Engine(model, tokenizer, max_batch=1, prefill_chunk=prefill_chunk, mode=mode)
+    sampling = Sampling(temperature=temperature, top_p=0.95) if sample else Sampling()
+    echo = (lambda event: print(event.text, end="", flush=True)) if stream else None
     start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(
-            **inputs,
-            past_key_values=cache,
-            max_new_tokens=max_new_tokens,
-            streamer=clock,
-            pad_token_id=tokenizer.pad_token_id,
-            **sampling,
-        )
+    request = engine.submit(ids, max_tokens=max_new_tokens, sampling=sampling, policy=policy, on_event=echo)
+    try:
+        engine.run()
+    except KeyboardInterrupt:
+        request.cancel()
+        engine.run()  # frees the request's rows; its text so far stays
     end = time.perf_counter()
-    new_tokens = out[0, inputs["input_ids"].shape[1] :]
-    first = clock.first_token_at or end
+    if stream:
+        print(flush=True)
+    result = request.result()
+    first = request.first_token_at or end
+    new_tokens = result.completion_tokens
     return {
         "policy": policy.describe(),
-        "text": tokenizer.decode(new_tokens, skip_special_tokens=True).strip(),
-        "prompt_tokens": int(inputs["input_ids"].shape[1]),
-        "new_tokens": int(new_tokens.numel()),
-        "seen_tokens": cache.seen_tokens,
-        "kept_tokens": cache.kept_tokens,
-        "kv_bytes": cache.nbytes(),
+        "text": result.text.strip(),
+        "finish_reason": result.finish_reason,
+        "prompt_tokens": len(ids),
+        "new_tokens": new_tokens,
+        "seen_tokens": request.cache_stats.get("seen_tokens", 0),
+        "kept_tokens": request.cache_stats.get("kept_tokens", 0),
+        "kv_bytes": request.cache_stats.get("kv_bytes", 0),
         "prefill_s": first - start,
-        "tokens_per_s": (new_tokens.numel() - 1) / (end - first) if end > first else float("nan"),
+        "tokens_per_s": (new_tokens - 1) / (end - first) if end > first and new_tokens > 1 else float("nan"),
     }
 
 
@@ -123,10 +96,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .models import load_model
 
     prompt = _read_prompt(args)
-    policy_from_args(args, prompt_len=1000)  # reject bad flags before loading anything
+    policy_from_args(args)  # reject bad flags before loading anything
     model, tokenizer = load_model(args.model, device=args.device, tp_plan=default_tp_plan())  # TP under torchrun
-    prompt_len = int(_encode(tokenizer, prompt, args.chat, model.device)["input_ids"].shape[1])
-    policy = policy_from_args(args, prompt_len)
+    policy = policy_from_args(args)
     if args.sample:
         shared_seed()  # under torchrun every process must draw the same tokens
     result = generate(
@@ -171,8 +143,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     model, tokenizer = load_model(args.model, device=args.device)
     prompt = demo_prompt(args.words)
-    prompt_len = int(_encode(tokenizer, prompt, True, model.device)["input_ids"].shape[1])
-    h2o = policies.H2O(heavy_ratio=args.ratio / 2, recent_ratio=args.ratio / 2)
+    prompt_len = len(encode(tokenizer, prompt))
+    h2o = policies.build("h2o", args.ratio)
     print(f"Prompt: {prompt_len} tokens of Hamlet + a question. Generating {args.max_new_tokens} tokens, greedy.\n")
     results = [
         generate(model, tokenizer, prompt, policy, max_new_tokens=args.max_new_tokens)

@@ -40,12 +40,12 @@ class Engine:
         budget: policies.Budget = 0.2,
         kv_memory: int | None = None,
         max_batch: int = 16,
-        prefill_chunk: int = 256,
+        prefill_chunk: int | None = 256,
         sinks: int = 4,
         mode: str = "drop",
     ) -> None:
         policies.build(policy, budget, sinks=sinks)  # the defaults must make sense
-        for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
+        for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk or 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if kv_memory is not None and (isinstance(kv_memory, bool) or not isinstance(kv_memory, int) or kv_memory < 1):
@@ -74,7 +74,7 @@ class Engine:
         max_tokens: int = 128,
         sampling: Sampling | None = None,
         stop: str | list[str] | tuple[str, ...] = (),
-        policy: str | None = None,
+        policy: str | Policy | None = None,
         budget: policies.Budget = None,
         on_event=None,
     ) -> Request:
@@ -118,8 +118,13 @@ class Engine:
             self.run()
         return request.result()
 
-    def resolve_policy(self, policy: str | None = None, budget: policies.Budget = None) -> Policy:
-        """A request's policy: the engine's defaults, overridden by the request's name and budget."""
+    def resolve_policy(self, policy: str | Policy | None = None, budget: policies.Budget = None) -> Policy:
+        """A request's policy: the engine's defaults, overridden by the request's name and budget
+        (or a Policy object as is)."""
+        if isinstance(policy, Policy):
+            if budget is not None:
+                raise ValueError("give a budget with a policy name, not with a Policy object")
+            return policy
         name = policy or self.policy
         if budget is None and str(name).lower() != "full":
             budget = self.budget if policy is None or str(self.policy).lower() != "full" else None
@@ -207,7 +212,7 @@ class Engine:
     def _prefill_chunk(self) -> None:
         request, cache = self._prefill[0]
         done = cache.seen_tokens
-        ids = request.prompt_ids[done : done + self.prefill_chunk]
+        ids = request.prompt_ids[done : done + (self.prefill_chunk or request.prompt_tokens)]
         device = self.model.device
         positions = torch.arange(done, done + len(ids), device=device).view(1, -1)
         try:
@@ -221,6 +226,7 @@ class Engine:
         self._prefill.popleft()
         token = sample(logits[0], request.sampling, request.generator)
         if self._push(request, token):
+            _record(request, cache, 0)
             return
         group = self._groups.get(request.policy)
         if group is None:
@@ -247,6 +253,9 @@ class Engine:
                 for i, r in enumerate(rows)
             ]
             if any(finished):
+                for i, gone in enumerate(finished):
+                    if gone:
+                        _record(rows[i], cache, i)
                 self._leave(policy, [i for i, gone in enumerate(finished) if not gone])
 
     def _push(self, request: Request, token: int) -> bool:
@@ -293,7 +302,7 @@ class Engine:
             return final, -(-prompt_len // GROWTH) * GROWTH
         kept = int(capacity)
         decode = min(kept, prompt_len + max_tokens) + 1
-        return decode, min(prompt_len, kept + self.prefill_chunk) + 1
+        return decode, min(prompt_len, kept + (self.prefill_chunk or prompt_len)) + 1
 
     def _projected(self, extra: Request) -> int:
         """KV bytes if `extra` were admitted: every batch at its widest row (prompts still going in
@@ -322,6 +331,16 @@ class Engine:
 
     def _detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _record(request: Request, cache: KVCache, row: int) -> None:
+    """What a finished request's cache held at its end: kept and seen tokens, and its share of the bytes."""
+    layer = cache.layers[0]
+    request.cache_stats = {
+        "kept_tokens": int(cache.kept_per_head()[:, row].max()),
+        "seen_tokens": int(layer.next_pos[row].max()),
+        "kv_bytes": cache.nbytes() // cache.batch_size,
+    }
 
 
 def _kv_layout(config, dtype: torch.dtype) -> int:

@@ -31,6 +31,18 @@ def hand_off(layer: Any, keys: torch.Tensor) -> tuple[Any, torch.Tensor] | None:
     return previous
 
 
+def mark_forward(batch: int, length: int) -> None:
+    """Note that an h2o-kv-enabled model is starting a forward call over `length` new tokens (its mask is built)."""
+    _pending.forward = (batch, length)
+
+
+def take_forward_mark() -> tuple[int, int] | None:
+    """The (batch, new tokens) of the enabled forward call now running on this thread, if any; clears it."""
+    mark = getattr(_pending, "forward", None)
+    _pending.forward = None
+    return mark
+
+
 def _take(keys: torch.Tensor) -> Any | None:
     """The layer handed off for exactly these keys, or None (another cache, or none, is in use)."""
     item = getattr(_pending, "item", None)
@@ -56,6 +68,12 @@ def h2o_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
+    if kwargs.get("output_attentions"):
+        layer.pending = None
+        raise ValueError(
+            "output_attentions=True is not supported with h2o_kv.KVCache: its attention never builds the "
+            "[queries x keys] probability matrix (use a stock cache to inspect attention weights)"
+        )
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     out = layer.forward_attention(
@@ -68,10 +86,15 @@ def h2o_attention(
     return out, None
 
 
-def _materialised_mask(*args, **kwargs):
-    """SDPA's boolean mask, always built: the cache reads padding from its diagonal."""
+def _materialised_mask(batch_size: int, q_length: int, *args, **kwargs):
+    """SDPA's boolean mask, always built: the cache reads padding from its diagonal.
+
+    Building it also marks the forward call as an h2o-kv one, so a KVCache can tell on its first
+    update that the model was enabled (a model that was not builds another implementation's mask).
+    """
+    mark_forward(batch_size, q_length)
     kwargs["allow_is_causal_skip"] = False
-    return sdpa_mask(*args, **kwargs)
+    return sdpa_mask(batch_size, q_length, *args, **kwargs)
 
 
 AttentionInterface.register(IMPLEMENTATION, h2o_attention)

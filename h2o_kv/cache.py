@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from .attention import hand_off
+from .attention import hand_off, take_forward_mark
 from .layer import KVLayer, Mode, Settings
 from .policies import Policy
 
@@ -55,15 +55,33 @@ class KVCache(Cache):
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         previous = hand_off(None, key_states)
-        if previous is not None and previous[0] in self.layers and previous[0].pending is not None:
+        stale = previous is not None and previous[0] in self.layers and previous[0].pending is not None
+        if stale:
             previous[0].pending = None  # the last layer's keys never reached h2o-kv attention
+        batch, _, n, _ = key_states.shape
+        if stale or (layer_idx == 0 and take_forward_mark() not in ((batch, n), (1, n))):
             raise RuntimeError(
                 "h2o_kv.KVCache needs the model's attention to go through h2o-kv to see attention scores: "
                 "call h2o_kv.enable(model) first (this attention implementation does not give scores)"
             )
+        self._check_layers(layer_idx, n)
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         hand_off(self.layers[layer_idx], keys)
         return keys, values
+
+    def _check_layers(self, layer_idx: int, n: int) -> None:
+        """Every call must reach the same layers: a cache filled by one model cannot serve another."""
+        layers = self.layers
+        if layer_idx == 0 and layers and layers[0].is_initialized and layers[-1].seen != layers[0].seen:
+            raise ValueError(
+                f"the last call reached {sum(layer.seen == layers[0].seen for layer in layers)} of this KVCache's "
+                f"{len(layers)} layers: a cache belongs to one model and one batch; use a new KVCache"
+            )
+        if layer_idx >= len(layers) and layers and layers[-1].seen != n:
+            raise ValueError(
+                f"this KVCache was filled by a model with {len(layers)} layers and now gets layer {layer_idx}: "
+                "a cache belongs to one model and one batch; use a new KVCache"
+            )
 
     # -- sequences in and out of a running batch (continuous batching) --------------------------------
     @property

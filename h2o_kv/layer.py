@@ -58,6 +58,9 @@ class Settings:
     def __post_init__(self) -> None:
         if self.padding is None:
             self.padding = PaddingMemo()
+        lengths = torch.tensor([[[1000]], [[1999]]])
+        capacity = self.policy.capacity(lengths)  # a fraction of the prompt gives different capacities
+        self.sized_by_prompt = capacity is not None and bool(capacity[0] != capacity[1])
 
 
 class KVLayer(CacheLayerMixin):
@@ -90,23 +93,64 @@ class KVLayer(CacheLayerMixin):
         self.min_capacity: int | None = None
         self.kept_bound = 0  # upper bound on kept tokens per (sequence, head), known without a sync
         self.used = 0  # slots at or after this index are free (mask mode never reuses a slot)
+        self.decoded = False  # a one-token call came after the prompt (a fraction budget is then final)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self.is_initialized and key_states.shape[0] != self.keys.shape[0]:
-            raise ValueError(
-                f"this KVCache holds {self.keys.shape[0]} sequences but got a batch of {key_states.shape[0]}: "
-                "use a new KVCache (or cache.reset()) for a different batch"
-            )
-        if not self.is_initialized:
+        if self.is_initialized:
+            self._check_same_model(key_states, value_states)
+        else:
             self.lazy_initialization(key_states, value_states)
         self.pending = (key_states, value_states)
         return key_states, value_states
 
+    def _check_same_model(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Refuse, before anything changes, a call that cannot continue what this layer holds."""
+        mine, theirs = (self.keys.shape[0], *self.keys.shape[1::2]), (keys.shape[0], *keys.shape[1::2])
+        if mine[0] != theirs[0]:
+            raise ValueError(
+                f"this KVCache holds {mine[0]} sequences but got a batch of {theirs[0]}: a cache belongs to one "
+                "model and one batch; use a new KVCache (or cache.reset()) for a different batch"
+            )
+        if (
+            mine != theirs
+            or (keys.dtype, keys.device) != (self.dtype, self.device)
+            or values.shape[-1] != (self.values.shape[-1])
+        ):
+            raise ValueError(
+                f"this KVCache was filled by another model (layer {self.layer_idx}: batch x KV heads x head size "
+                f"{mine}, {self.dtype} on {self.device}; got {theirs}, {keys.dtype} on {keys.device}): a cache "
+                "belongs to one model and one batch; use a new KVCache"
+            )
+        if (
+            keys.shape[2] > 1
+            and self.prompt_len is not None
+            and not self.decoded
+            and self.settings.sized_by_prompt
+            and self.settings.prompt_len is None
+        ):
+            raise ValueError(
+                f"{self.settings.policy.describe()} sizes its budget from the prompt, but the prompt is arriving in "
+                "several calls (e.g. generate(..., prefill_chunk_size=...)) and the first one already fixed it: "
+                "pass KVCache(..., prompt_len=<prompt tokens>), use token budgets, or KVCache(prefill_chunk=...)"
+            )
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # The model's mask covers only the new tokens (causality and padding among them);
         # which cached tokens each head may see is the layer's business.
+        if query_length == 0:
+            raise ValueError(
+                f"no new tokens for a KVCache that already holds {self.seen} positions: the input is not longer than "
+                "what the cache has seen. A cache belongs to one model and one batch (one conversation); "
+                "use a new KVCache for an unrelated prompt"
+            )
         return query_length, self.seen
+
+    def crop(self, max_length: int) -> None:
+        raise ValueError(
+            "h2o_kv.KVCache cannot be cropped (evicted tokens cannot come back), so assisted decoding "
+            "(assistant_model=, prompt_lookup_num_tokens=) is not supported with it"
+        )
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -151,7 +195,7 @@ class KVLayer(CacheLayerMixin):
         if not other.is_initialized or other.prompt_len is None:
             raise ValueError("only sequences whose prompt has been through the cache can join a batch")
         if not self.is_initialized:
-            for name in ("dtype", "device", "used", "seen", "kept_bound", *SLOT_FIELDS, *ROW_FIELDS):
+            for name in ("dtype", "device", "used", "seen", "kept_bound", "decoded", *SLOT_FIELDS, *ROW_FIELDS):
                 setattr(self, name, getattr(other, name))
             self.is_initialized = True
             self._refresh_bounds()
@@ -205,6 +249,13 @@ class KVLayer(CacheLayerMixin):
         batch, n = query.shape[0], query.shape[2]
         real, has_padding = self.settings.padding.real_tokens(attention_mask, batch, n, query.device)
         real_before = real.cumsum(1)  # real tokens up to and including each column
+        if has_padding and bool(((real_before + self.next_pos.view(batch, 1) > 0) & ~real).any()):
+            raise ValueError(
+                "padding after a real token (right padding): h2o-kv needs batches padded on the left "
+                "(tokenizer.padding_side = 'left') with the attention_mask"
+            )
+        if n == 1 and self.prompt_len is not None:
+            self.decoded = True
         qpos = torch.where(real, self.next_pos.view(batch, 1) + real_before - 1, -1)
         first_pos = self.next_pos.view(batch)
         self.next_pos = self.next_pos + real.sum(1).view(batch, 1, 1)
@@ -354,21 +405,6 @@ class KVLayer(CacheLayerMixin):
     def nbytes(self) -> int:
         tensors = (self.keys, self.values, self.pos, self.score, self.last)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
-def _grow(t: torch.Tensor, extra: int, fill: float) -> torch.Tensor:
-    pad = t.new_full((*t.shape[:2], extra, *t.shape[3:]), fill)
-    return torch.cat([t, pad], dim=2)
-
-
-def _real_tokens(mask: torch.Tensor | None, batch: int, n: int, device: torch.device) -> torch.Tensor:
-    """[B, n] True for real tokens. A real token always attends to itself, padding never does."""
-    if mask is None:
-        return torch.ones(batch, n, dtype=torch.bool, device=device)
-    diag = mask[:, 0].diagonal(dim1=-2, dim2=-1)
-    if diag.dtype != torch.bool:  # additive float mask: 0 where attended
-        diag = diag == 0
-    return diag.expand(batch, n)
 
 
 def _grow(t: torch.Tensor, extra: int, fill: float) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""A literal, slow reading of shared EVICTION.md for one attention layer: the oracle tests compare to.
+"""A literal, slow reading of docs/eviction.md for one attention layer: the oracle tests compare to.
 
 Plain Python lists per KV head and float64 maths; nothing shared with the library's code.
 """

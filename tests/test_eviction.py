@@ -1,4 +1,4 @@
-"""One cache layer against the literal reading of EVICTION.md (tests/reference.py), on random tensors."""
+"""One cache layer against the literal reading of docs/eviction.md (tests/reference.py), on random tensors."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import h2o_kv
+from h2o_kv.layer import KVLayer, Settings
 
 from reference import reference_layer
 
@@ -30,21 +31,21 @@ def causal_mask(real: torch.Tensor) -> torch.Tensor:
 
 
 def run_layer(policy, q, k, v, chunks, *, real=None, mode="drop", prefill_chunk=None, window=None):
-    """Drive layer 0 of a KVCache the way a model's attention does."""
-    cache = h2o_kv.KVCache(policy, mode=mode, prefill_chunk=prefill_chunk)
+    """Drive one cache layer the way a model's attention does: update, then attention."""
+    layer = KVLayer(Settings(policy, mode, prefill_chunk), 0)
     batch, total = q.shape[0], q.shape[2]
     real = torch.ones(batch, total, dtype=torch.bool) if real is None else real
     outs, start = [], 0
     for size in chunks:
         stop = start + size
-        cache.update(k[:, :, start:stop], v[:, :, start:stop], 0)
-        out = cache.layers[0].forward_attention(
+        layer.update(k[:, :, start:stop], v[:, :, start:stop])
+        out = layer.forward_attention(
             q[:, :, start:stop], causal_mask(real[:, start:stop]), scaling=q.shape[-1] ** -0.5, window=window
         )
         outs.append(out)
-        assert int(cache.layers[0].kept().max()) <= max(cache.layers[0].max_capacity or 10**9, 0)
+        assert int(layer.kept().max()) <= max(layer.max_capacity or 10**9, 0)
         start = stop
-    return torch.cat(outs, dim=1), cache.layers[0]
+    return torch.cat(outs, dim=1), layer
 
 
 def kept_positions(layer, row: int = 0) -> list[list[int]]:

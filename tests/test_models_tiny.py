@@ -1,4 +1,4 @@
-"""Whole models (tiny, random, one per architecture) with the cache: the EVICTION.md consequences."""
+"""Whole models (tiny, random, one per architecture) with the cache: the docs/eviction.md consequences."""
 
 from __future__ import annotations
 
@@ -173,6 +173,7 @@ def test_a_stale_handoff_does_not_leak_into_another_cache(llama):
     """A KVCache update whose attention never ran must not hijack a later forward with a stock cache."""
     ids = random_ids(1, 10)
     cache = h2o_kv.KVCache(h2o_kv.Full())
+    h2o_kv.attention.mark_forward(1, 1)  # as an enabled model's forward does before its first layer
     cache.update(torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16), 0)  # pending hand-off, never consumed
     with torch.no_grad():
         expected = make_model("llama", enable=False)(ids).logits

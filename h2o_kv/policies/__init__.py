@@ -1,6 +1,6 @@
 """Eviction policies: what to evict. One small file per policy."""
 
-from .base import Policy, SlotState
+from .base import MAX_TOKENS, Policy, SlotState
 from .full import Full
 from .h2o import H2O
 from .local import Local
@@ -8,6 +8,7 @@ from .streaming import StreamingLLM
 from .tova import TOVA
 
 __all__ = [
+    "MAX_TOKENS",
     "Policy",
     "SlotState",
     "Full",
@@ -27,7 +28,6 @@ __all__ = [
 NAMES = ("h2o", "local", "streamingllm", "tova", "full")
 
 Budget = float | int | None  # None: the Full cache
-MAX_TOKENS = 1 << 40  # a token budget beyond this cannot mean anything real
 
 
 def is_fraction(budget: Budget) -> bool:

@@ -12,6 +12,8 @@ from typing import ClassVar
 
 import torch
 
+MAX_TOKENS = 1 << 40  # a token count beyond this cannot mean anything real (and would overflow int64 sums)
+
 
 @dataclass(frozen=True)
 class SlotState:
@@ -52,12 +54,17 @@ def check_budget(name: str, value: int | None, *, allow_zero: bool = False) -> N
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+    if value > MAX_TOKENS:
+        raise ValueError(f"{name} must be at most {MAX_TOKENS} tokens, got {value}")
 
 
 def check_ratio(name: str, value: float | None) -> None:
+    """A fraction of the prompt in [0, 1]: a number (not a bool, not a string), like the count fields."""
     if value is None:
         return
-    if not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
+    if not 0.0 <= float(value) <= 1.0:  # also rejects nan and inf
         raise ValueError(f"{name} must be a fraction in [0, 1], got {value!r}")
 
 

@@ -39,9 +39,7 @@ class H2O(Policy):
             if on
         ]
         if len(given) > 1:
-            raise ValueError(
-                f"H2O: give one of heavy/recent, ratios or budget; got {' and '.join(given)}, not both"
-            )
+            raise ValueError(f"H2O: give one of heavy/recent, ratios or budget; got {' and '.join(given)}, not both")
         if not given:
             raise ValueError(
                 "H2O needs a size: H2O(heavy=64, recent=64), H2O(budget=128), H2O(budget=0.2) "
@@ -60,14 +58,10 @@ class H2O(Policy):
             if self.heavy + self.recent <= 0:
                 raise ValueError("H2O: heavy + recent must be > 0 (a zero budget keeps nothing)")
         else:
-            for name in ("heavy_ratio", "recent_ratio"):
-                value = getattr(self, name)
-                if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                    raise TypeError(f"H2O: {name} must be a float, got {type(value).__name__} {value!r}")
-            object.__setattr__(self, "heavy_ratio", float(self.heavy_ratio or 0.0))
-            object.__setattr__(self, "recent_ratio", float(self.recent_ratio or 0.0))
             check_ratio("heavy_ratio", self.heavy_ratio)
             check_ratio("recent_ratio", self.recent_ratio)
+            object.__setattr__(self, "heavy_ratio", float(self.heavy_ratio or 0.0))
+            object.__setattr__(self, "recent_ratio", float(self.recent_ratio or 0.0))
             if self.heavy_ratio + self.recent_ratio <= 0:
                 raise ValueError("H2O: heavy_ratio + recent_ratio must be > 0")
 

@@ -65,6 +65,8 @@ class KVCache(Cache):
                 "call h2o_kv.enable(model) first (this attention implementation does not give scores)"
             )
         self._check_layers(layer_idx, n)
+        if layer_idx < len(self.layers) and self.layers[layer_idx].is_initialized:
+            check_continues(self.layers[layer_idx], key_states, value_states)
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         hand_off(self.layers[layer_idx], keys)
         return keys, values
@@ -129,3 +131,35 @@ class KVCache(Cache):
     def nbytes(self) -> int:
         """Bytes the cache holds now (keys, values and the per-slot bookkeeping)."""
         return sum(layer.nbytes() for layer in self.layers if layer.is_initialized)
+
+
+def check_continues(layer: KVLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Refuse, before anything changes, a call that cannot continue what `layer` holds."""
+    mine, theirs = (layer.keys.shape[0], *layer.keys.shape[1::2]), (keys.shape[0], *keys.shape[1::2])
+    if mine[0] != theirs[0]:
+        raise ValueError(
+            f"this KVCache holds {mine[0]} sequences but got a batch of {theirs[0]}: a cache belongs to one "
+            "model and one batch; use a new KVCache (or cache.reset()) for a different batch"
+        )
+    if (
+        mine != theirs
+        or (keys.dtype, keys.device) != (layer.dtype, layer.device)
+        or values.shape[-1] != (layer.values.shape[-1])
+    ):
+        raise ValueError(
+            f"this KVCache was filled by another model (layer {layer.layer_idx}: batch x KV heads x head size "
+            f"{mine}, {layer.dtype} on {layer.device}; got {theirs}, {keys.dtype} on {keys.device}): a cache "
+            "belongs to one model and one batch; use a new KVCache"
+        )
+    if (
+        keys.shape[2] > 1
+        and layer.prompt_len is not None
+        and not layer.decoded
+        and layer.settings.sized_by_prompt
+        and layer.settings.prompt_len is None
+    ):
+        raise ValueError(
+            f"{layer.settings.policy.describe()} sizes its budget from the prompt, but the prompt is arriving in "
+            "several calls (e.g. generate(..., prefill_chunk_size=...)) and the first one already fixed it: "
+            "pass KVCache(..., prompt_len=<prompt tokens>), use token budgets, or KVCache(prefill_chunk=...)"
+        )

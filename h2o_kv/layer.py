@@ -97,43 +97,10 @@ class KVLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self.is_initialized:
-            self._check_same_model(key_states, value_states)
-        else:
+        if not self.is_initialized:  # KVCache.update checks that a call continues an initialised layer
             self.lazy_initialization(key_states, value_states)
         self.pending = (key_states, value_states)
         return key_states, value_states
-
-    def _check_same_model(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Refuse, before anything changes, a call that cannot continue what this layer holds."""
-        mine, theirs = (self.keys.shape[0], *self.keys.shape[1::2]), (keys.shape[0], *keys.shape[1::2])
-        if mine[0] != theirs[0]:
-            raise ValueError(
-                f"this KVCache holds {mine[0]} sequences but got a batch of {theirs[0]}: a cache belongs to one "
-                "model and one batch; use a new KVCache (or cache.reset()) for a different batch"
-            )
-        if (
-            mine != theirs
-            or (keys.dtype, keys.device) != (self.dtype, self.device)
-            or values.shape[-1] != (self.values.shape[-1])
-        ):
-            raise ValueError(
-                f"this KVCache was filled by another model (layer {self.layer_idx}: batch x KV heads x head size "
-                f"{mine}, {self.dtype} on {self.device}; got {theirs}, {keys.dtype} on {keys.device}): a cache "
-                "belongs to one model and one batch; use a new KVCache"
-            )
-        if (
-            keys.shape[2] > 1
-            and self.prompt_len is not None
-            and not self.decoded
-            and self.settings.sized_by_prompt
-            and self.settings.prompt_len is None
-        ):
-            raise ValueError(
-                f"{self.settings.policy.describe()} sizes its budget from the prompt, but the prompt is arriving in "
-                "several calls (e.g. generate(..., prefill_chunk_size=...)) and the first one already fixed it: "
-                "pass KVCache(..., prompt_len=<prompt tokens>), use token budgets, or KVCache(prefill_chunk=...)"
-            )
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # The model's mask covers only the new tokens (causality and padding among them);

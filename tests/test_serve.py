@@ -72,12 +72,14 @@ def test_completion_matches_the_model_loop_and_counts_usage(server, api, model, 
 def test_bounded_policy_override_differs_from_full_on_a_long_prompt(api, model, tokenizer) -> None:
     ids = encode(tokenizer, PROMPT * 12, chat=False)
     cache = KVCache(policies.build("h2o", 16), prompt_len=len(ids))
-    want = tokenizer.decode(greedy_ids(model, cache, ids, 8), skip_special_tokens=True)
-    got = _greedy(api, prompt=ids, extra_body={"kv_policy": "h2o", "kv_budget": 16}).choices[0].text
+    want = tokenizer.decode(greedy_ids(model, cache, ids, 16), skip_special_tokens=True)
+    got = _greedy(api, prompt=ids, max_tokens=16, extra_body={"kv_policy": "h2o", "kv_budget": 16}).choices[0].text
     assert got == want
-    full = _greedy(api, prompt=ids, extra_body={"kv_policy": "full"}).choices[0].text
+    full = _greedy(api, prompt=ids, max_tokens=16, extra_body={"kv_policy": "full"}).choices[0].text
     assert got != full  # 16 of ~130 tokens: the override really bounded the cache
-    assert _greedy(api, prompt=ids, extra_body={"kv_budget": "100%"}).choices[0].text == full  # h2o keeping all
+    assert (
+        _greedy(api, prompt=ids, max_tokens=16, extra_body={"kv_budget": "100%"}).choices[0].text == full
+    )  # h2o keeping all
 
 
 def test_chat_applies_the_template_and_max_completion_tokens(api, tokenizer) -> None:

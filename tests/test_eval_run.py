@@ -12,13 +12,18 @@ import torch
 import transformers as tf
 
 import h2o_kv
-from h2o_kv.eval import budget_tokens, make_policy, parse_budgets
-from h2o_kv.eval.fidelity import compare, greedy_generate, run_fidelity, teacher_forced_top1
+from h2o_kv.eval import parse_budgets
+from h2o_kv.eval.decoding import greedy_generate, new_cache, teacher_forced_top1
+from h2o_kv.eval.fidelity import compare, run_fidelity
 from h2o_kv.eval.perplexity import perplexity_stats, stream_nll, text_windows
-from h2o_kv.eval.retrieval import Sample
-from h2o_kv.eval.runner import COLUMNS, run_eval
+from h2o_kv.eval.retrieval import make_samples, mean_by_task, score_batch
+from h2o_kv.eval.ruler import Sample
+from h2o_kv.eval.run import run_eval
+from h2o_kv.eval.sizes import FidelitySize, PerplexitySize, RetrievalSize, Size, SummarizeSize
 from h2o_kv.eval.summarize import load_jsonl, run_summarize
-from h2o_kv.eval.tasks_run import make_samples, mean_by_task, score_batch
+from h2o_kv.eval.tables import COLUMNS
+from h2o_kv.generation import greedy_ids
+from h2o_kv.policies import budget_tokens
 
 from conftest import make_model, random_ids
 
@@ -84,17 +89,19 @@ def corpus(tmp_path_factory) -> Path:
 
 def test_budget_parsing_and_policies() -> None:
     assert parse_budgets("0.05,0.1,20%,128") == [0.05, 0.1, 0.2, 128]
+    assert parse_budgets("1,1.0") == [1, 1.0]  # one token, the whole length
     assert budget_tokens(0.2, 1024) == 204 and budget_tokens(128, 1024) == 128 and budget_tokens(None, 5) is None
     assert budget_tokens(0.001, 100) == 1
     with pytest.raises(ValueError):
         budget_tokens(1.5, 10)
-    with pytest.raises(ValueError):
-        parse_budgets("0")
-    h2o = make_policy("h2o", 0.2, 1000)
+    for bad in ("0", "1.5", "nan", ""):
+        with pytest.raises(ValueError):
+            parse_budgets(bad)
+    h2o = new_cache("h2o", 0.2, 1000).policy
     assert [int(t) for t in h2o.split(torch.tensor([1]))] == [100, 100]
-    assert make_policy("local", 64, 1000).window == 64
-    assert int(make_policy("streamingllm", 3, 1000)._sinks(torch.tensor([1]))) == 2  # tiny budgets: fewer sinks
-    assert isinstance(make_policy("full", None, 10), h2o_kv.Full)
+    assert new_cache("local", 64, 1000).policy.window == 64
+    assert int(new_cache("streamingllm", 3, 1000).policy._sinks(torch.tensor([1]))) == 2  # tiny budgets: fewer sinks
+    assert isinstance(new_cache("full", None, 10).policy, h2o_kv.Full)
 
 
 # ------------------------------------------------------------------------------------- perplexity
@@ -182,6 +189,16 @@ def test_greedy_generate_with_full_matches_stock_generate(tiny_lm, tokenizer) ->
     assert ours == stock[0, len(ids) :].tolist()
 
 
+def test_batched_greedy_equals_each_prompt_alone(tiny_lm, tokenizer) -> None:
+    """Left padding changes nothing: each row of a batch decodes as `generation.greedy_ids` does alone."""
+    prompts = [tokenizer(" ".join(WORDS[i : i + n]))["input_ids"] for i, n in ((0, 30), (5, 12), (9, 21))]
+    length = max(map(len, prompts))
+    for policy, budget in (("full", None), ("h2o", 6), ("tova", 0.3)):
+        batched = greedy_generate(tiny_lm, tokenizer, prompts, policy, budget, max_new_tokens=[8, 5, 8], length=length)
+        alone = [greedy_ids(tiny_lm, new_cache(policy, budget, length), p, n) for p, n in zip(prompts, [8, 5, 8])]
+        assert batched == alone, policy
+
+
 # -------------------------------------------------------------------------------------- retrieval
 
 
@@ -241,11 +258,12 @@ def test_summarize_on_tiny_jsonl(tiny_lm, tokenizer, tmp_path: Path) -> None:
 
 def test_runner_writes_tables_and_plots(tiny_lm, tokenizer, corpus: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    small = dict(
-        ppl_windows=2, ppl_length=96, ppl_chunk=8,
-        ret_tasks=("passkey",), ret_contexts=(160,), ret_n=1, gen_cap=4,
-        fid_n=2, fid_passage=40, fid_new=4, sum_n=2, sum_new=4, sum_doc=40,
-    )  # fmt: skip
+    small = Size(
+        PerplexitySize(windows=2, length=96, chunk=8),
+        RetrievalSize(("passkey",), (160,), samples=1, prefills=("oneshot", "stream"), chunk=16, answer_cap=4),
+        FidelitySize(prompts=2, passage_tokens=40, new_tokens=4),
+        SummarizeSize(records=2, new_tokens=4, document_tokens=40),
+    )
     rows = run_eval(
         tiny_lm,
         tokenizer,
@@ -256,7 +274,7 @@ def test_runner_writes_tables_and_plots(tiny_lm, tokenizer, corpus: Path, tmp_pa
         data=str(_jsonl(tmp_path / "d.jsonl")),
         out_dir=out,
         progress=False,
-        overrides=small,
+        size=small,
         command="test",
     )
     for name in ("results.json", "results.csv", "summary.md", *(f"{t}.png" for t in ("perplexity", "retrieval"))):
@@ -268,6 +286,8 @@ def test_runner_writes_tables_and_plots(tiny_lm, tokenizer, corpus: Path, tmp_pa
     assert len(table) == len(rows)
     meta = json.loads((out / "results.json").read_text())["meta"]
     assert meta["command"] == "test" and set(meta["seconds"]) == {"perplexity", "retrieval", "fidelity", "summarize"}
+    assert meta["settings"]["perplexity"] == {"windows": 2, "length": 96, "chunk": 8}
+    assert meta["environment"]["torch_threads"] >= 1
     ppl = [r for r in rows if r["task"] == "perplexity" and r["metric"] == "ppl"]
     assert {(r["policy"], r["budget_frac"], r["budget_tokens"]) for r in ppl} == {
         ("full", 1.0, 96), ("h2o", 0.1, 9), ("h2o", 0.5, 48), ("local", 0.1, 9), ("local", 0.5, 48)
@@ -287,4 +307,7 @@ def test_cli_registers_eval_subcommand() -> None:
     cli.add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["eval", "--tasks", "perplexity", "--budgets", "64,128", "--mode", "mask"])
     assert args.func is cli.main and args.tasks == "perplexity" and args.mode == "mask"
-    assert parse_budgets(args.budgets) == [64, 128]
+    assert args.budgets == [64, 128]
+    assert parser.parse_args(["eval"]).budgets == [0.05, 0.1, 0.2, 0.5]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["eval", "--budgets", "0.1,1.5"])

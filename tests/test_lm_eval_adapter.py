@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 lm_eval = pytest.importorskip("lm_eval")
 
@@ -114,4 +115,7 @@ def test_adapter_rejects_bad_policy_and_budget(bundled) -> None:
         lm_eval_adapter.H2OKVLM(pretrained=model, tokenizer=tokenizer, policy="h2o", budget=2.5)
     lm = lm_eval_adapter.H2OKVLM(pretrained=model, tokenizer=tokenizer, policy="h2o", budget=0.25)
     cache = lm.new_cache(100)
-    assert cache.policy.heavy + cache.policy.recent == 25 and cache.prefill_chunk == 1
+    assert cache.policy.capacity(torch.tensor([100])).tolist() == [25] and cache.prefill_chunk == 1
+    assert lm_eval_adapter.H2OKVLM(pretrained=model, tokenizer=tokenizer, budget="64").new_cache(1000).policy.capacity(
+        torch.tensor([1000])
+    ).tolist() == [64]  # model_args text: "64" is tokens

@@ -1,4 +1,4 @@
-"""`h2o-kv eval`: accuracy of a model under KV-cache policies and budgets (see `runner.run_eval`).
+"""`h2o-kv eval`: accuracy of a model under KV-cache policies and budgets (see `run.run_eval`).
 
     h2o-kv eval                                   # small default: results/eval/ on the bundled model
     h2o-kv eval --size large                      # the fuller protocol (long; hours on a CPU)
@@ -14,8 +14,17 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from h2o_kv.report import command_line, missing_extra
+
 from . import parse_budgets
-from .runner import DEFAULT_BUDGETS, DEFAULT_POLICIES, DEFAULT_TASKS, SIZES, TASKS, command_line
+from .sizes import DEFAULT_BUDGETS, DEFAULT_POLICIES, DEFAULT_TASKS, SIZES, TASKS
+
+
+def _budgets(text: str) -> list[float | int]:
+    try:
+        return parse_budgets(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _list(text: str) -> list[str]:
@@ -30,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--policies", default=",".join(DEFAULT_POLICIES), help="comma list; Full always runs as the reference")
     add(
         "--budgets",
+        type=_budgets,
         default=",".join(map(str, DEFAULT_BUDGETS)),
         help="fractions of the length (0.05,0.1,0.2,0.5) or token counts (64,128,256)",
     )
@@ -59,11 +69,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def main(args: argparse.Namespace) -> int:
     """Load the model, run the evaluation, write the results and print where they are."""
+    missing = missing_extra("eval", "eval", ("matplotlib", "tqdm"))
+    if missing:
+        print(missing, file=sys.stderr)
+        return 2
     import torch
 
     from h2o_kv.models import load_model
 
-    from .runner import run_eval
+    from .run import run_eval
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -73,7 +87,7 @@ def main(args: argparse.Namespace) -> int:
         tokenizer,
         tasks=_list(args.tasks),
         policies=_list(args.policies),
-        budgets=parse_budgets(args.budgets),
+        budgets=args.budgets,
         size=args.size,
         mode=args.mode,
         corpus=args.corpus,
@@ -93,7 +107,12 @@ def _main(argv: Sequence[str] | None = None) -> int:
         prog="python -m h2o_kv.eval.cli", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_arguments(parser)
-    return main(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    try:
+        return main(args)
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        print(f"h2o-kv eval: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -14,12 +14,12 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
-from h2o_kv.cache import KVCache, Mode
+from h2o_kv import generation
+from h2o_kv.cache import Mode
 from h2o_kv.data import load_texts
+from h2o_kv.policies import Budget
 
-from . import Budget, make_policy
+from .decoding import greedy_generate, pad_id, teacher_forced_top1
 from .metrics import agreement_until_divergence, rouge_l
 
 QUESTIONS = (
@@ -28,14 +28,6 @@ QUESTIONS = (
     "Explain this passage in plain modern English.",
     "What is the mood of this passage? Quote one line that shows it.",
 )
-
-
-def chat_prompt(tokenizer: Any, user: str) -> str:
-    """The model's chat format when it has one (instruct models answer better), else plain text."""
-    if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": user}]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return f"{user}\n\nAnswer:"
 
 
 def passage_prompts(tokenizer: Any, corpus: str | None, *, n: int, passage_tokens: int, seed: int = 0) -> list[str]:
@@ -50,105 +42,13 @@ def passage_prompts(tokenizer: Any, corpus: str | None, *, n: int, passage_token
         start = para + 2 if 0 <= para < start + 2000 else start
         ids = tokenizer(text[start : start + 8 * passage_tokens], add_special_tokens=False)["input_ids"]
         passage = tokenizer.decode(ids[:passage_tokens]).strip()
-        prompts.append(chat_prompt(tokenizer, f"{passage}\n\n{QUESTIONS[i % len(QUESTIONS)]}"))
+        prompts.append(generation.chat_text(tokenizer, f"{passage}\n\n{QUESTIONS[i % len(QUESTIONS)]}"))
     return prompts
 
 
 def encode(tokenizer: Any, prompts: Sequence[str]) -> list[list[int]]:
-    """Prompt token ids as the runner feeds them (the tokenizer's special tokens included)."""
-    return [tokenizer(p)["input_ids"] for p in prompts]
-
-
-@torch.no_grad()
-def greedy_generate(
-    model: Any,
-    tokenizer: Any,
-    prompt_ids: Sequence[Sequence[int]],
-    policy: str,
-    budget: Budget,
-    *,
-    max_new_tokens: int | Sequence[int],
-    mode: Mode = "drop",
-    prefill_chunk: int | None = None,
-    batch_size: int = 16,
-    length: int | None = None,
-) -> list[list[int]]:
-    """Greedy continuations (token ids, cut at EOS) of left-padded batches, a fresh cache per batch.
-
-    The budget is sized from `length` (default: the longest prompt), so every prompt gets the same
-    cache. `prefill_chunk=None` reads the prompt in one call and evicts after it (the paper's
-    generation setting); an int streams the prompt through the bounded cache in chunks.
-    """
-    length = length or max(len(p) for p in prompt_ids)
-    per_prompt = [max_new_tokens] * len(prompt_ids) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    eos = model.generation_config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
-    outputs: list[list[int]] = []
-    for start in range(0, len(prompt_ids), batch_size):
-        batch = [list(p) for p in prompt_ids[start : start + batch_size]]
-        width = max(len(p) for p in batch)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-        cache = KVCache(make_policy(policy, budget, length), mode=mode, prefill_chunk=prefill_chunk)
-        new = max(per_prompt[start : start + batch_size])
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            past_key_values=cache,
-            max_new_tokens=new,
-            min_new_tokens=0,
-            do_sample=False,
-            pad_token_id=pad,
-            use_cache=True,
-        )
-        for k, row in enumerate(out[:, width:].tolist()):
-            cut = next((j for j, t in enumerate(row) if t in eos_ids), len(row))
-            outputs.append(row[: min(cut, per_prompt[start + k])])
-    return outputs
-
-
-@torch.no_grad()
-def teacher_forced_top1(
-    model: Any,
-    prompt_ids: Sequence[Sequence[int]],
-    targets: Sequence[Sequence[int]],
-    policy: str,
-    budget: Budget,
-    *,
-    length: int,
-    mode: Mode = "drop",
-    pad: int = 0,
-    batch_size: int = 16,
-) -> list[float]:
-    """Per prompt, the share of `targets` (Full's greedy tokens) that are the policy's top-1 given Full's prefix.
-
-    The prompt is read in one call and evicted after it, as in `greedy_generate`; the targets then
-    go through the cache one token at a time (prefill_chunk=1), exactly as decoding would feed them.
-    """
-    scores: list[float] = []
-    for start in range(0, len(prompt_ids), batch_size):
-        prompts = [list(p) for p in prompt_ids[start : start + batch_size]]
-        tgts = [list(t) for t in targets[start : start + batch_size]]
-        width, steps = max(len(p) for p in prompts), max(1, max(len(t) for t in tgts))
-        ids = torch.tensor([[pad] * (width - len(p)) + p + t + [pad] * (steps - len(t)) for p, t in zip(prompts, tgts)])
-        mask = torch.tensor(
-            [[0] * (width - len(p)) + [1] * (len(p) + len(t)) + [0] * (steps - len(t)) for p, t in zip(prompts, tgts)]
-        )
-        position = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = KVCache(make_policy(policy, budget, length), mode=mode)
-        first = model(
-            ids[:, :width], attention_mask=mask[:, :width], position_ids=position[:, :width], past_key_values=cache
-        ).logits[:, -1:]
-        cache.prefill_chunk = 1  # from here on, evict after every token, as while decoding
-        end = width + steps - 1
-        rest = model(
-            ids[:, width:end], attention_mask=mask[:, :end], position_ids=position[:, width:end], past_key_values=cache
-        ).logits
-        predicted = torch.cat([first, rest], dim=1).argmax(-1)
-        for row, t in zip(predicted.tolist(), tgts):
-            scores.append(sum(a == b for a, b in zip(row, t)) / len(t) if t else 1.0)
-    return scores
+    """Token ids of prompts that already carry the chat template (the tokenizer's special tokens added)."""
+    return [generation.encode(tokenizer, p, chat=False) for p in prompts]
 
 
 def compare(tokenizer: Any, full: Sequence[Sequence[int]], other: Sequence[Sequence[int]]) -> dict[str, float]:
@@ -186,7 +86,7 @@ def run_fidelity(
     length = max(len(p) for p in prompt_ids)
     kw = dict(max_new_tokens=max_new_tokens, mode=mode, prefill_chunk=prefill_chunk, length=length)
     full = greedy_generate(model, tokenizer, prompt_ids, "full", None, **kw)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad = pad_id(tokenizer)
     rows = []
     for policy, budget in configs:
         gen = full if policy == "full" else greedy_generate(model, tokenizer, prompt_ids, policy, budget, **kw)

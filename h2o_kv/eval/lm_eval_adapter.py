@@ -32,8 +32,8 @@ from lm_eval.models.huggingface import HFLM
 
 from h2o_kv.attention import enable
 from h2o_kv.cache import KVCache
-
-from . import Budget, make_policy
+from h2o_kv.generation import forward
+from h2o_kv.policies import Budget, budget_tokens, build, parse_budget
 
 
 @register_model("h2o_kv", "h2o-kv")
@@ -66,26 +66,31 @@ class H2OKVLM(HFLM):
         else:
             model = enable(pretrained)
         self.policy_name = str(policy)
-        self.budget = None if self.policy_name.lower() == "full" else budget
+        self.budget = None if self.policy_name.lower() == "full" else _budget(budget)
         self.kv_mode = mode
         self.prefill_chunk = prefill_chunk
-        make_policy(self.policy_name, self.budget, 100)  # fail early on a bad policy or budget
+        build(self.policy_name, budget_tokens(self.budget, 100))  # fail early on a bad policy or budget
         super().__init__(pretrained=model, tokenizer=tokenizer, batch_size=1, device=device, **kwargs)
 
     def new_cache(self, length: int) -> KVCache:
         """A fresh cache sized for a request of `length` tokens."""
-        policy = make_policy(self.policy_name, self.budget, length)
+        policy = build(self.policy_name, budget_tokens(self.budget, length))
         return KVCache(policy, mode=self.kv_mode, prefill_chunk=self.prefill_chunk)
 
     def _model_call(self, inps: torch.Tensor, attn_mask: torch.Tensor | None = None, labels: Any = None):
         if attn_mask is not None or labels is not None:  # encoder-decoder models: not supported by h2o-kv
             return super()._model_call(inps, attn_mask, labels)
         with torch.no_grad():
-            return self.model(inps, past_key_values=self.new_cache(inps.shape[1]), use_cache=True).logits
+            return forward(self.model, self.new_cache(inps.shape[1]), inps, all_logits=True)
 
     def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs: Any):
         generation_kwargs["past_key_values"] = self.new_cache(context.shape[1])
         return super()._model_generate(context, max_length, stop, **generation_kwargs)
+
+
+def _budget(value: Budget | str) -> Budget:
+    """model_args arrive as text from lm-eval's CLI ("0.2", "128") and as numbers from Python."""
+    return parse_budget(value) if isinstance(value, str) else value
 
 
 def main() -> None:

@@ -1,31 +1,17 @@
 """Text and token metrics for comparing bounded-KV-cache generations against references.
 
 Everything here is pure Python so it can score generations without a model: ROUGE-L (F1) over words or
-token ids, token-level agreement with a full-cache generation, perplexity from a summed NLL, and
-SQuAD-style exact match.
+token ids, and how many leading tokens a generation shares with the full cache's.
 """
 
 from __future__ import annotations
 
-import math
 import re
-import string
 from collections.abc import Hashable, Sequence
 
-__all__ = [
-    "agreement_until_divergence",
-    "exact_match",
-    "lcs_length",
-    "normalize_answer",
-    "perplexity",
-    "rouge_l",
-    "rouge_l_tokens",
-    "token_agreement",
-]
+__all__ = ["agreement_until_divergence", "lcs_length", "rouge_l", "rouge_l_tokens"]
 
 _WORD_RE = re.compile(r"\w+")
-_ARTICLES_RE = re.compile(r"\b(a|an|the)\b")
-_PUNCT_TABLE = str.maketrans("", "", string.punctuation)
 
 
 def _words(text: str) -> list[str]:
@@ -91,46 +77,3 @@ def agreement_until_divergence(a: Sequence[Hashable], b: Sequence[Hashable]) -> 
             break
         n += 1
     return n
-
-
-def token_agreement(a: Sequence[Hashable], b: Sequence[Hashable]) -> float:
-    """Fraction of positions (over the shorter length) where ``a`` and ``b`` agree.
-
-    Two empty sequences agree (1.0); if exactly one is empty there is nothing in common (0.0).
-    """
-    n = min(len(a), len(b))
-    if n == 0:
-        return 1.0 if len(a) == len(b) else 0.0
-    return sum(1 for x, y in zip(a, b, strict=False) if x == y) / n
-
-
-def perplexity(nll_sum: float, n_tokens: int) -> float:
-    """Perplexity ``exp(nll_sum / n_tokens)`` from a summed natural-log NLL.
-
-    Summing NLL and counting tokens separately lets callers aggregate over chunks/documents before
-    dividing. Returns ``inf`` instead of raising when the exponent overflows (a diverged model).
-    """
-    if n_tokens <= 0:
-        raise ValueError(f"perplexity needs at least one scored token, got n_tokens={n_tokens}")
-    if math.isnan(nll_sum):
-        raise ValueError("perplexity got nll_sum=nan")
-    try:
-        return math.exp(nll_sum / n_tokens)
-    except OverflowError:
-        return math.inf
-
-
-def normalize_answer(text: str) -> str:
-    """SQuAD answer normalisation: lower-case, drop punctuation and articles, squeeze whitespace."""
-    text = text.lower().translate(_PUNCT_TABLE)
-    text = _ARTICLES_RE.sub(" ", text)
-    return " ".join(text.split())
-
-
-def exact_match(pred: str, gold: str | Sequence[str]) -> float:
-    """SQuAD exact match (1.0 or 0.0) after :func:`normalize_answer`; with several golds, the best."""
-    golds = [gold] if isinstance(gold, str) else list(gold)
-    if not golds:
-        raise ValueError("exact_match needs at least one gold answer")
-    p = normalize_answer(pred)
-    return 1.0 if any(p == normalize_answer(g) for g in golds) else 0.0

@@ -15,10 +15,12 @@ from typing import Any
 
 import torch
 
-from h2o_kv.cache import KVCache, Mode
+from h2o_kv.cache import Mode
 from h2o_kv.data import load_texts
+from h2o_kv.generation import forward
+from h2o_kv.policies import Budget
 
-from . import Budget, make_policy
+from .decoding import new_cache
 
 LOGITS_BYTES = 1 << 30  # windows per forward are limited so the logits stay under ~1 GiB
 
@@ -77,9 +79,9 @@ def stream_nll(
     out = []
     for start in range(0, batch, per_call):
         part = ids[start : start + per_call]
-        cache = KVCache(make_policy(policy, budget, length), mode=mode, prefill_chunk=chunk)
-        logits = model(part, past_key_values=cache, use_cache=True).logits[:, :-1].float()
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), part[:, 1:], reduction="none")
+        cache = new_cache(policy, budget, length, mode=mode, chunk=chunk)
+        logits = forward(model, cache, part.to(model.device), all_logits=True)[:, :-1]
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), part[:, 1:].to(logits.device), reduction="none")
         out.append(nll)
         del logits, cache
     return torch.cat(out)

@@ -1,587 +1,100 @@
-"""Seeded, offline long-context retrieval tasks (RULER-style) with RULER's string-match scoring.
+"""Long-context retrieval with a model: RULER-style samples (built by `ruler.py`), greedy answers, RULER scores.
 
-Why synthetic tasks: they probe exactly what KV eviction can break, i.e. whether a few tokens deep in a
-long context (a needle, a variable chain, word frequencies) survive in the cache until the question
-is asked, and their answers are known by construction so scoring needs no judge model.
-
-Task definitions, templates and metrics follow RULER (Hsieh et al. 2024, arXiv 2404.06654):
-
-* ``passkey``: the classic pass-key retrieval (Mohtashami & Jaggi 2023) hidden in filler text.
-* ``niah_single``: one needle "One of the special magic numbers for {key} is: {value}." at a depth.
-* ``niah_multikey``: the same plus distractor needles with other keys (and other values).
-* ``variable_tracking``: chains "VAR A = 12345", "VAR B = VAR A", ...; answer: every variable in the
-  chain that holds the queried value (other chains, if requested, use other values).
-* ``common_words``: a numbered word list where a few words repeat many times; answer: the top-k.
-
-The filler is real text passed in by the caller (``haystack``); nothing is downloaded. Prompts are
-sized with the caller's ``tokenizer_len`` so they end just below ``context_tokens``, and every prompt
-ends with an answer prefix (stored in ``sample.metadata["answer_prefix"]``) so a greedy continuation
-can be scored directly with :func:`score`.
+All samples of one context length run as one left-padded batch per (policy, budget), whatever the
+task. The budget is resolved against the context length (prompts end just below it). Two prefill
+settings: "oneshot" reads the prompt in one call and then evicts (the paper's generation setting: the
+question's attention counts when choosing what to keep); "stream" feeds the prompt through the
+bounded cache in chunks, so a needle must earn attention before the question arrives to survive.
 """
 
 from __future__ import annotations
 
-import math
-import random
-import re
-import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
-__all__ = [
-    "METRIC_FOR_TASK",
-    "TASKS",
-    "TOKENS_TO_GENERATE",
-    "Sample",
-    "hf_tokenizer_len",
-    "make_dataset",
-    "make_sample",
-    "max_new_tokens",
-    "score",
-    "string_match_all",
-    "string_match_part",
-]
+from h2o_kv.cache import Mode
+from h2o_kv.policies import Budget
 
-TASKS: tuple[str, ...] = ("passkey", "niah_single", "niah_multikey", "variable_tracking", "common_words")
+from .decoding import greedy_generate
+from .fidelity import encode
+from .ruler import Sample, hf_tokenizer_len, make_dataset, max_new_tokens, score
 
-#: RULER's metric per task: all synthetic retrieval tasks need every answer (match_all); QA needs any
-#: one of the acceptable answers (match_part).
-METRIC_FOR_TASK: dict[str, str] = {
-    "passkey": "string_match_all",
-    "niah_single": "string_match_all",
-    "niah_multikey": "string_match_all",
-    "variable_tracking": "string_match_all",
-    "common_words": "string_match_all",
-    "qa": "string_match_part",
-}
 
-#: Generation budget per task. niah / vt / cwe / qa are RULER's ``tokens_to_generate``; passkey is not a
-#: RULER task: its 5-digit answer needs ~6 tokens, 16 leaves room (use ~48 with ``value_kind="uuid"``).
-TOKENS_TO_GENERATE: dict[str, int] = {
-    "passkey": 16,
-    "niah_single": 128,
-    "niah_multikey": 128,
-    "variable_tracking": 30,
-    "common_words": 120,
-    "qa": 32,
-}
-
-_PASSKEY_HEADER = (
-    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-    "I will quiz you about the important information there."
-)
-_PASSKEY_NEEDLE = "The pass key is {value}. Remember it. {value} is the pass key."
-_PASSKEY_PREFIX = "The pass key is"
-
-_NIAH_HEADER = (
-    "Some special magic {kind} are hidden within the following text. Make sure to memorize it. "
-    "I will quiz you about the {kind} afterwards."
-)
-_NIAH_NEEDLE = "One of the special magic {kind} for {key} is: {value}."
-_NIAH_QUESTION = "What are all the special magic {kind} for {key} mentioned in the provided text?"
-_NIAH_PREFIX = "The special magic {kind} for {key} mentioned in the provided text are"
-
-_VT_HEADER = "Memorize and track the chain(s) of variable assignment hidden in the following text."
-_VT_QUESTION = "Question: Find all variables that are assigned the value {value} in the text above."
-# RULER's prefix has the typo "assgined"; fixed here, it does not change what is being asked.
-_VT_PREFIX = (
-    "Answer: According to the chain(s) of variable assignment in the text above, "
-    "{n} variables are assigned the value {value}, they are:"
-)
-
-_CWE_HEADER = (
-    "Below is a numbered list of words. In these words, some appear more often than others. "
-    "Memorize the ones that appear most often."
-)
-_CWE_QUESTION = "Question: What are the {k} most common words in the above list?"
-_CWE_PREFIX = "Answer: The top {k} words that appear most often in the list are:"
-
-# Needle keys are "adjective-noun" pairs as in RULER (which draws them from the wonderwords lists); a
-# fixed built-in list keeps generation offline and independent of the haystack.
-_ADJECTIVES = (
-    "abundant agreeable ancient bitter brave bright calm careful clever cloudy crooked curious damp "
-    "eager elegant fancy fierce gentle gloomy grumpy hollow humble icy jolly lively lonely loud lucky "
-    "mellow misty narrow nimble noisy odd polite proud quiet rapid rusty scarce shiny silent sleepy "
-    "slim smooth spicy steep sticky stormy sturdy swift tame tender tidy tiny vast wary witty zealous"
-).split()
-_NOUNS = (
-    "anchor apple badge barrel basket beacon blanket bottle bridge bucket candle canyon carpet castle "
-    "cellar chimney compass cottage crater crystal desert feather fiddle forest fountain garden glacier "
-    "hammer harbor helmet island jacket kettle ladder lantern meadow mirror needle orchard paddle "
-    "pebble pillow planet pocket puzzle quarry ribbon saddle shadow shelter spoon tablet thimble "
-    "tunnel valley violin wagon whistle window"
-).split()
-
-_SENTENCE_END_RE = re.compile(r"[.!?][\"'’”)\]]*$")
-_VOCAB_RE = re.compile(r"[a-z]+")
-_CALL_BUDGET = 16  # tokenizer_len calls spent searching for the filler size, beyond the first two
-
-_TokLen = Callable[[str], int]
-_Built = tuple[str, list[str], int, dict[str, Any]]  # prompt, answers, prompt tokens, metadata
-
-
-@dataclass
-class Sample:
-    """One evaluation prompt with its gold answers.
-
-    ``prompt`` is context + question + answer prefix; ``context_tokens`` is the requested length bucket
-    (the measured prompt length is ``metadata["prompt_tokens"]``, never above it); ``depth`` is the
-    query needle's requested depth in [0, 1] (``None`` for tasks without a single needle).
-    """
-
-    prompt: str
-    answers: list[str]
-    task: str
-    context_tokens: int
-    depth: float | None
-    metadata: dict[str, Any] = field(default_factory=dict)
-
-
-# ----------------------------------------------------------------------------------------- scoring
-
-
-def string_match_all(pred: str, answers: Sequence[str]) -> float:
-    """RULER ``string_match_all``: fraction of answers found (case-insensitive substring) in ``pred``."""
-    if not answers:
-        raise ValueError("string_match_all needs at least one answer")
-    p = pred.lower()
-    return sum(1.0 for a in answers if a.lower() in p) / len(answers)
-
-
-def string_match_part(pred: str, answers: Sequence[str]) -> float:
-    """RULER ``string_match_part``: 1.0 if any answer occurs (case-insensitive) in ``pred``, else 0.0."""
-    if not answers:
-        raise ValueError("string_match_part needs at least one answer")
-    p = pred.lower()
-    return 1.0 if any(a.lower() in p for a in answers) else 0.0
-
-
-_METRICS: dict[str, Callable[[str, Sequence[str]], float]] = {
-    "string_match_all": string_match_all,
-    "string_match_part": string_match_part,
-}
-
-
-def score(sample: Sample, prediction: str) -> float:
-    """Score a generated continuation (the text after the prompt) with the task's RULER metric.
-
-    Control characters are turned into newlines first, as RULER's ``postprocess_pred`` does. Any text
-    works, but score only the generated continuation: the prompt itself contains the answers.
-    """
-    metric = METRIC_FOR_TASK.get(sample.task)
-    if metric is None:
-        raise ValueError(f"no metric for task {sample.task!r}; known: {sorted(METRIC_FOR_TASK)}")
-    prediction = re.sub(r"[\x00-\x08\x0b-\x1f]", "\n", prediction).strip()
-    return _METRICS[metric](prediction, sample.answers)
-
-
-def max_new_tokens(task: str) -> int:
-    """How many tokens to generate for ``task`` before scoring (see :data:`TOKENS_TO_GENERATE`)."""
-    try:
-        return TOKENS_TO_GENERATE[task]
-    except KeyError:
-        raise ValueError(f"unknown task {task!r}; known: {sorted(TOKENS_TO_GENERATE)}") from None
-
-
-def hf_tokenizer_len(tokenizer: Any, *, add_special_tokens: bool = True) -> Callable[[str], int]:
-    """Wrap a Hugging Face tokenizer as a ``tokenizer_len`` callable.
-
-    ``add_special_tokens=True`` counts BOS etc., matching what the model sees when the runner encodes
-    the prompt the same way, so the prompt never exceeds ``context_tokens``.
-    """
-
-    def _len(text: str) -> int:
-        return len(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
-
-    return _len
-
-
-# ------------------------------------------------------------------------------------ generation
-
-
-class _Filler:
-    """The haystack as a cyclic word stream starting at a (seeded) random sentence start.
-
-    Working in words keeps the size search fine-grained (one word, not one sentence) while still
-    letting needles snap to nearby sentence boundaries so they do not split a sentence.
-    """
-
-    def __init__(self, haystack: str, rng: random.Random) -> None:
-        words = haystack.split()
-        if not words:
-            raise ValueError("haystack is empty")
-        starts = [0] + [i + 1 for i, w in enumerate(words[:-1]) if _SENTENCE_END_RE.search(w)]
-        s = rng.choice(starts)
-        self.words = words[s:] + words[:s]
-        # boundary[i]: a sentence starts at word i (word 0 does by construction, so cycles restart cleanly).
-        ends = [bool(_SENTENCE_END_RE.search(w)) for w in self.words]
-        self._boundary = [True] + ends[:-1]
-
-    def take(self, n: int) -> list[str]:
-        reps = -(-n // len(self.words))
-        return (self.words * reps)[:n]
-
-    def is_boundary(self, i: int) -> bool:
-        return self._boundary[i % len(self.words)]
-
-    def snap(self, frac: float, n: int) -> int:
-        """Word index for depth ``frac`` of an ``n``-word filler, moved to the nearest sentence start
-        within a small window (else kept exact): monotone in ``frac``, so chains keep their order."""
-        target = round(frac * n)
-        window = max(25, n // 50)
-        for d in range(window + 1):
-            for i in (target - d, target + d):
-                if 0 <= i <= n and (i in (0, n) or self.is_boundary(i)):
-                    return i
-        return target
-
-    def tokens_per_word(self, tokenizer_len: Callable[[str], int]) -> float:
-        sample = self.words[:2000]
-        return max(tokenizer_len(" ".join(sample)) / len(sample), 1e-3)
-
-
-def _insert(words: list[str], items: list[tuple[int, int, str]]) -> str:
-    """Join ``words`` with each ``(position, order, text)`` item inserted before word ``position``."""
-    out: list[str] = []
-    prev = 0
-    for pos, _, text in sorted(items):
-        out.extend(words[prev:pos])
-        out.append(text)
-        prev = pos
-    out.extend(words[prev:])
-    return " ".join(out)
-
-
-def _fit(
-    render: Callable[[int], str],
-    tokenizer_len: Callable[[str], int],
-    context_tokens: int,
-    unit_tokens: float,
-    max_units: int | None = None,
-) -> tuple[int, str, int]:
-    """Largest unit count ``n`` whose ``render(n)`` is at most ``context_tokens`` tokens (approximately).
-
-    One call for the fixed overhead, then guesses by interpolation (secant over the bracket once one
-    exists) with at most ``_CALL_BUDGET`` further ``tokenizer_len`` calls; stops once within 0.5%.
-    Returns ``(n, prompt, n_tokens)`` of the best prompt that fits.
-    """
-    base = render(0)
-    t0 = tokenizer_len(base)
-    if t0 > context_tokens:
-        raise ValueError(
-            f"context_tokens={context_tokens} is too small: the prompt without filler already has {t0} tokens"
-        )
-    tol = max(1, context_tokens // 200)
-    lo, t_lo, p_lo = 0, t0, base
-    hi: int | None = None if max_units is None else max_units + 1
-    t_hi = math.inf
-    slope = unit_tokens
-    aim = context_tokens - tol / 2
-    guess = int((aim - t0) / slope)
-    for _ in range(_CALL_BUDGET):
-        if context_tokens - t_lo <= tol or (hi is not None and hi - lo <= 1):
-            break
-        n = max(guess, lo + 1)
-        if hi is not None:
-            n = min(n, hi - 1)
-        p = render(n)
-        t = tokenizer_len(p)
-        if t <= context_tokens:
-            lo, t_lo, p_lo = n, t, p
-        else:
-            hi, t_hi = n, t
-        if hi is not None and math.isfinite(t_hi):
-            slope = max((t_hi - t_lo) / (hi - lo), 1e-6)
-        elif lo > 0:
-            slope = max((t_lo - t0) / lo, 1e-6)
-        guess = lo + max(1, int((aim - t_lo) / slope))
-        if hi is not None and guess >= hi:
-            guess = (lo + hi) // 2
-    return lo, p_lo, t_lo
-
-
-def _value(rng: random.Random, value_kind: str, digits: int) -> str:
-    if value_kind == "number":
-        return str(rng.randint(10 ** (digits - 1), 10**digits - 1))
-    if value_kind == "uuid":
-        return str(uuid.UUID(int=rng.getrandbits(128), version=4))
-    raise ValueError(f"value_kind must be 'number' or 'uuid', got {value_kind!r}")
-
-
-def _distinct(draw: Callable[[], str], n: int, taken: set[str] | None = None) -> list[str]:
-    seen = set(taken or ())
-    out: list[str] = []
-    while len(out) < n:
-        v = draw()
-        if v not in seen:
-            seen.add(v)
-            out.append(v)
-    return out
-
-
-def _check_depth(depth: float | None, rng: random.Random) -> float:
-    if depth is None:
-        return rng.random()
-    if not 0.0 <= depth <= 1.0:
-        raise ValueError(f"depth must be in [0, 1], got {depth}")
-    return float(depth)
-
-
-def _passkey(
-    rng: random.Random,
-    filler: _Filler,
-    tpw: float,
-    tokenizer_len: _TokLen,
-    context_tokens: int,
-    depth: float,
-    value_kind: str,
-) -> _Built:
-    value = _value(rng, value_kind, digits=5)
-    needle = _PASSKEY_NEEDLE.format(value=value)
-    tail = f"What is the pass key? {_PASSKEY_PREFIX}"
-
-    def render(n: int) -> str:
-        words = filler.take(n)
-        context = _insert(words, [(filler.snap(depth, n), 0, needle)])
-        return f"{_PASSKEY_HEADER}\n\n{context}\n\n{tail}"
-
-    n, prompt, t = _fit(render, tokenizer_len, context_tokens, tpw)
-    meta = {
-        "answer_prefix": _PASSKEY_PREFIX,
-        "needle": needle,
-        "needle_depth_actual": _actual(filler, depth, n),
-    }
-    return prompt, [value], t, meta
-
-
-def _actual(filler: _Filler, depth: float, n: int) -> float:
-    return filler.snap(depth, n) / n if n else 0.0
-
-
-def _niah(
-    rng: random.Random,
-    filler: _Filler,
-    tpw: float,
-    tokenizer_len: _TokLen,
-    context_tokens: int,
-    depth: float,
-    value_kind: str,
-    num_keys: int,
-) -> _Built:
-    kind = "numbers" if value_kind == "number" else "uuids"
-    pairs = [(a, b) for a in _ADJECTIVES for b in _NOUNS]
-    keys = [f"{a}-{b}" for a, b in rng.sample(pairs, num_keys)]
-    values = _distinct(lambda: _value(rng, value_kind, digits=7), num_keys)
-    depths = [depth] + [rng.random() for _ in range(num_keys - 1)]
-    needles = [_NIAH_NEEDLE.format(kind=kind, key=k, value=v) for k, v in zip(keys, values, strict=True)]
-    order = list(range(num_keys))
-    rng.shuffle(order)  # tie-break among needles landing on the same word
-    prefix = _NIAH_PREFIX.format(kind=kind, key=keys[0])
-    tail = f"{_NIAH_QUESTION.format(kind=kind, key=keys[0])} {prefix}"
-    header = _NIAH_HEADER.format(kind=kind)
-
-    def render(n: int) -> str:
-        words = filler.take(n)
-        items = [(filler.snap(d, n), o, nd) for d, o, nd in zip(depths, order, needles, strict=True)]
-        return f"{header}\n{_insert(words, items)}\n{tail}"
-
-    n, prompt, t = _fit(render, tokenizer_len, context_tokens, tpw)
-    meta = {
-        "answer_prefix": prefix,
-        "query_key": keys[0],
-        "needle": needles[0],
-        "needle_depth_actual": _actual(filler, depth, n),
-        "distractor_keys": keys[1:],
-        "distractor_values": values[1:],
-        "distractor_depths": depths[1:],
-        "value_kind": value_kind,
-    }
-    return prompt, [values[0]], t, meta
-
-
-def _variable_tracking(
-    rng: random.Random,
-    filler: _Filler,
-    tpw: float,
-    tokenizer_len: _TokLen,
-    context_tokens: int,
-    num_chains: int,
-    num_hops: int,
-) -> _Built:
-    # Variable names must not occur in the haystack, else a name could be "found" in the filler.
-    taken = {w.strip(".,;:!?'\"()[]").upper() for w in filler.words}
-    letters = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
-    names = _distinct(lambda: "".join(rng.choices(letters, k=5)), num_chains * (num_hops + 1), taken)
-    values = _distinct(lambda: str(rng.randint(10000, 99999)), num_chains)
-    chains: list[list[str]] = []
-    items_frac: list[tuple[float, int, str]] = []
-    for c in range(num_chains):
-        vs = names[c * (num_hops + 1) : (c + 1) * (num_hops + 1)]
-        chains.append(vs)
-        stmts = [f"VAR {vs[0]} = {values[c]}."] + [f"VAR {vs[j + 1]} = VAR {vs[j]}." for j in range(num_hops)]
-        fracs = sorted(rng.random() for _ in stmts)
-        items_frac += [(f, h * num_chains + c, s) for h, (f, s) in enumerate(zip(fracs, stmts, strict=True))]
-    prefix = _VT_PREFIX.format(n=num_hops + 1, value=values[0])
-    tail = f"{_VT_QUESTION.format(value=values[0])} {prefix}"
-
-    def render(n: int) -> str:
-        items = [(filler.snap(f, n), o, s) for f, o, s in items_frac]
-        return f"{_VT_HEADER}\n\n{_insert(filler.take(n), items)}\n{tail}"
-
-    n, prompt, t = _fit(render, tokenizer_len, context_tokens, tpw)
-    meta = {"answer_prefix": prefix, "query_value": values[0], "chains": chains, "chain_values": values}
-    return prompt, list(chains[0]), t, meta
-
-
-def _common_words(
-    rng: random.Random,
+def make_samples(
+    tokenizer: Any,
     haystack: str,
-    tokenizer_len: _TokLen,
-    context_tokens: int,
-    num_common: int,
-    common_freq: int | None,
-    uncommon_freq: int,
-) -> _Built:
-    vocab = list(dict.fromkeys(w for w in _VOCAB_RE.findall(haystack.lower()) if len(w) >= 3))
-    if len(vocab) < num_common + 1:
-        raise ValueError(f"haystack has only {len(vocab)} distinct words; common_words needs more")
-    if common_freq is None:
-        # RULER uses 30 repeats at 4K+; shorter contexts cannot hold 10 x 30 items, so scale down while
-        # keeping the common words clearly more frequent than the uncommon ones.
-        common_freq = max(uncommon_freq + 3, min(30, context_tokens // 128))
-    if common_freq <= uncommon_freq:
-        raise ValueError(f"common_freq ({common_freq}) must exceed uncommon_freq ({uncommon_freq})")
-    rng.shuffle(vocab)
-    common, pool = vocab[:num_common], vocab[num_common:]
-    shuffle_seed = rng.getrandbits(64)
-    prefix = _CWE_PREFIX.format(k=num_common)
-    tail = f"{_CWE_QUESTION.format(k=num_common)} {prefix}"
-
-    def render(n: int) -> str:
-        items = common * common_freq + pool[:n] * uncommon_freq
-        random.Random(shuffle_seed + n).shuffle(items)
-        listing = " ".join(f"{i + 1}. {w}" for i, w in enumerate(items))
-        return f"{_CWE_HEADER}\n{listing}\n{tail}"
-
-    probe = " ".join(f"{1000 + i}. {w}" for i, w in enumerate(pool[:200]))
-    unit = max(tokenizer_len(probe) / len(pool[:200]), 1e-3) * uncommon_freq
-    n, prompt, t = _fit(render, tokenizer_len, context_tokens, unit, max_units=len(pool))
-    if n == len(pool) and context_tokens - t > max(1, context_tokens // 20):
-        raise ValueError(
-            f"haystack vocabulary ({len(vocab)} distinct words) is too small for common_words at "
-            f"context_tokens={context_tokens}; pass a larger haystack or a larger uncommon_freq"
-        )
-    meta = {
-        "answer_prefix": prefix,
-        "common_freq": common_freq,
-        "uncommon_freq": uncommon_freq,
-        "num_uncommon": n,
-    }
-    return prompt, list(common), t, meta
-
-
-def make_sample(
-    task: str,
     *,
+    tasks: Sequence[str],
     context_tokens: int,
-    tokenizer_len: Callable[[str], int],
-    haystack: str,
-    seed: int,
-    depth: float | None = None,
-    value_kind: str = "number",
-    num_keys: int = 4,
-    num_chains: int = 1,
-    num_hops: int = 4,
-    num_common: int = 10,
-    common_freq: int | None = None,
-    uncommon_freq: int = 3,
-) -> Sample:
-    """Generate one sample of ``task`` whose prompt is just under ``context_tokens`` tokens.
-
-    Deterministic in ``seed`` (all randomness comes from ``random.Random(seed)``). ``depth`` in [0, 1]
-    places the (query) needle of passkey / niah tasks; ``None`` draws it from the seed. ``value_kind``
-    ("number" or "uuid") picks needle values for passkey / niah. ``num_keys`` is the number of needles
-    of ``niah_multikey`` (the queried one + distractors); ``num_chains``/``num_hops`` shape
-    ``variable_tracking`` (extra chains are distractors); ``num_common``/``common_freq``/
-    ``uncommon_freq`` shape ``common_words`` (``common_freq=None`` scales RULER's 30 down for short
-    contexts). The defaults are RULER's.
-    """
-    if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}; known: {TASKS}")
-    if context_tokens <= 0:
-        raise ValueError(f"context_tokens must be positive, got {context_tokens}")
-    if value_kind not in ("number", "uuid"):
-        raise ValueError(f"value_kind must be 'number' or 'uuid', got {value_kind!r}")
-    rng = random.Random(seed)
-    if task in ("passkey", "niah_single", "niah_multikey"):
-        depth = _check_depth(depth, rng)
-    else:
-        depth = None
-    if task == "common_words":
-        if num_common < 1 or uncommon_freq < 1:
-            raise ValueError("num_common and uncommon_freq must be >= 1")
-        prompt, answers, t, meta = _common_words(
-            rng, haystack, tokenizer_len, context_tokens, num_common, common_freq, uncommon_freq
-        )
-    else:
-        filler = _Filler(haystack, rng)
-        tpw = filler.tokens_per_word(tokenizer_len)
-        if task == "passkey":
-            prompt, answers, t, meta = _passkey(rng, filler, tpw, tokenizer_len, context_tokens, depth, value_kind)
-        elif task == "variable_tracking":
-            if num_chains < 1 or num_hops < 0:
-                raise ValueError("variable_tracking needs num_chains >= 1 and num_hops >= 0")
-            prompt, answers, t, meta = _variable_tracking(
-                rng, filler, tpw, tokenizer_len, context_tokens, num_chains, num_hops
-            )
-        else:
-            k = 1 if task == "niah_single" else num_keys
-            if k < 1 or (task == "niah_multikey" and k < 2):
-                raise ValueError(f"niah_multikey needs num_keys >= 2, got {num_keys}")
-            prompt, answers, t, meta = _niah(rng, filler, tpw, tokenizer_len, context_tokens, depth, value_kind, k)
-    meta = {"seed": seed, "prompt_tokens": t, "max_new_tokens": TOKENS_TO_GENERATE[task], **meta}
-    return Sample(prompt=prompt, answers=answers, task=task, context_tokens=context_tokens, depth=depth, metadata=meta)
-
-
-def make_dataset(
-    task: str,
     n: int,
-    context_tokens: int,
-    *,
-    tokenizer_len: Callable[[str], int],
-    haystack: str,
-    seed: int,
-    depth: float | Sequence[float] | None = None,
-    value_kind: str = "number",
-    **options: Any,
+    seed: int = 0,
 ) -> list[Sample]:
-    """``n`` samples with per-sample seeds drawn from ``random.Random(seed)``.
-
-    Seeds are drawn sequentially, so a smaller dataset is a prefix of a larger one with the same
-    ``seed`` (handy for quick runs). ``depth`` may be a sequence to sweep needle depths (sample ``i``
-    uses ``depth[i % len(depth)]``). Extra ``options`` go to :func:`make_sample`.
-    """
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
-    rng = random.Random(seed)
-    seeds = [rng.getrandbits(32) for _ in range(n)]
-    if depth is None or isinstance(depth, (int, float)):
-        depths: list[float | None] = [None if depth is None else float(depth)] * n
-    else:
-        if len(depth) == 0:
-            raise ValueError("depth sequence is empty")
-        depths = [float(depth[i % len(depth)]) for i in range(n)]
-    return [
-        make_sample(
-            task,
-            context_tokens=context_tokens,
-            tokenizer_len=tokenizer_len,
-            haystack=haystack,
-            seed=s,
-            depth=d,
-            value_kind=value_kind,
-            **options,
+    """`n` samples per task at one context length; needle depths sweep evenly over (0, 1)."""
+    depths = [(i + 0.5) / n for i in range(n)]
+    tok_len = hf_tokenizer_len(tokenizer)
+    samples: list[Sample] = []
+    for k, task in enumerate(tasks):
+        depth = depths if task in ("passkey", "niah_single", "niah_multikey") else None
+        samples += make_dataset(
+            task, n, context_tokens, tokenizer_len=tok_len, haystack=haystack, seed=seed + 1000 * k, depth=depth
         )
-        for s, d in zip(seeds, depths, strict=True)
-    ]
+    return samples
+
+
+def answer_tokens(task: str, cap: int | None) -> int:
+    """RULER's generation length for `task`, capped (the answers come first; the cap saves time)."""
+    n = max_new_tokens(task)
+    return n if cap is None else min(n, cap)
+
+
+def score_batch(tokenizer: Any, samples: Sequence[Sample], outputs: Sequence[Sequence[int]]) -> list[float]:
+    """RULER score of each decoded continuation."""
+    return [score(s, tokenizer.decode(out, skip_special_tokens=True)) for s, out in zip(samples, outputs, strict=True)]
+
+
+def mean_by_task(samples: Sequence[Sample], scores: Sequence[float]) -> dict[str, tuple[float, int]]:
+    """{task: (mean score, count)} in first-seen task order."""
+    acc: dict[str, list[float]] = {}
+    for s, v in zip(samples, scores, strict=True):
+        acc.setdefault(s.task, []).append(v)
+    return {t: (sum(v) / len(v), len(v)) for t, v in acc.items()}
+
+
+def run_retrieval(
+    model: Any,
+    tokenizer: Any,
+    samples: Sequence[Sample],
+    configs: Sequence[tuple[str, Budget]],
+    *,
+    prefill: str = "stream",
+    chunk: int = 16,
+    mode: Mode = "drop",
+    gen_cap: int | None = 32,
+    progress: Any = None,
+) -> list[dict]:
+    """One row per (policy, budget, task): the mean RULER score of the samples (all one context length)."""
+    if prefill not in ("oneshot", "stream"):
+        raise ValueError(f"prefill must be 'oneshot' or 'stream', got {prefill!r}")
+    prompt_ids = encode(tokenizer, [s.prompt for s in samples])
+    context = max(s.context_tokens for s in samples)
+    new = [answer_tokens(s.task, gen_cap) for s in samples]
+    rows = []
+    for policy, budget in configs:
+        outputs = greedy_generate(
+            model,
+            tokenizer,
+            prompt_ids,
+            policy,
+            budget,
+            max_new_tokens=new,
+            mode=mode,
+            prefill_chunk=chunk if prefill == "stream" else None,
+            length=context,
+        )
+        for task, (mean, count) in mean_by_task(samples, score_batch(tokenizer, samples, outputs)).items():
+            rows.append(
+                {"policy": policy, "budget": budget, "length": context, "subtask": task, "score": mean, "n": count}
+            )
+        if progress is not None:
+            progress.update(1)
+    return rows

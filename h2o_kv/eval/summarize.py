@@ -13,9 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from h2o_kv.cache import Mode
+from h2o_kv.generation import chat_text
+from h2o_kv.policies import Budget
 
-from . import Budget
-from .fidelity import chat_prompt, encode, greedy_generate
+from .decoding import greedy_generate
+from .fidelity import encode
 from .metrics import rouge_l
 
 INSTRUCTION = "Summarise the following article in one sentence.\n\n{document}"
@@ -50,7 +52,7 @@ def summary_prompts(
             ids = tokenizer(doc, add_special_tokens=False)["input_ids"]
             if len(ids) > max_doc_tokens:
                 doc = tokenizer.decode(ids[:max_doc_tokens])
-        prompts.append(chat_prompt(tokenizer, INSTRUCTION.format(document=doc)))
+        prompts.append(chat_text(tokenizer, INSTRUCTION.format(document=doc)))
     return prompts
 
 

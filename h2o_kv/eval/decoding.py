@@ -1,0 +1,119 @@
+"""Batched greedy decoding and teacher-forced top-1 under a policy, on `h2o_kv.generation`'s calls.
+
+Prompts of different lengths run as left-padded batches with a fresh cache per batch. The budget is
+resolved against the evaluated `length` (`budget_tokens(budget, length)`), so every prompt of a task
+keeps the same number of tokens, whatever its own length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from h2o_kv.cache import KVCache, Mode
+from h2o_kv.generation import decode_step, forward
+from h2o_kv.policies import Budget, budget_tokens, build
+
+
+def new_cache(policy: str, budget: Budget, length: int, *, mode: Mode = "drop", chunk: int | None = None) -> KVCache:
+    """A fresh cache for `policy` at `budget` resolved against `length` tokens ("full": no budget)."""
+    return KVCache(build(policy, budget_tokens(budget, length)), mode=mode, prefill_chunk=chunk)
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [B, width], attention mask [B, width]) with each row right-aligned after `pad` tokens."""
+    width = width or max(len(r) for r in rows)
+    ids = torch.tensor([[pad] * (width - len(r)) + list(r) for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask
+
+
+def pad_id(tokenizer: Any) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+
+@torch.no_grad()
+def greedy_generate(
+    model: Any,
+    tokenizer: Any,
+    prompt_ids: Sequence[Sequence[int]],
+    policy: str,
+    budget: Budget,
+    *,
+    max_new_tokens: int | Sequence[int],
+    mode: Mode = "drop",
+    prefill_chunk: int | None = None,
+    batch_size: int = 16,
+    length: int | None = None,
+) -> list[list[int]]:
+    """Greedy continuations (token ids, cut at EOS) of left-padded batches, a fresh cache per batch.
+
+    The budget is sized from `length` (default: the longest prompt), so every prompt gets the same
+    cache. `prefill_chunk=None` reads the prompt in one call and evicts after it (the paper's
+    generation setting); an int streams the prompt through the bounded cache in chunks.
+    """
+    length = length or max(len(p) for p in prompt_ids)
+    limits = [max_new_tokens] * len(prompt_ids) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+    device = model.device
+    outputs: list[list[int]] = []
+    for start in range(0, len(prompt_ids), batch_size):
+        ids, mask = left_pad(prompt_ids[start : start + batch_size], pad_id(tokenizer))
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = new_cache(policy, budget, length, mode=mode, chunk=prefill_chunk)
+        logits = forward(model, cache, ids.to(device), positions=positions.to(device), attention_mask=mask.to(device))
+        position = positions[:, -1].to(device) + 1
+        rows: list[list[int]] = [[] for _ in range(ids.shape[0])]
+        open_rows = [k for k in range(ids.shape[0]) if limits[start + k] > 0]
+        while open_rows:
+            tokens = logits.argmax(-1)
+            for k, token in enumerate(tokens.tolist()):
+                if k in open_rows:
+                    rows[k].append(token)
+            open_rows = [k for k in open_rows if rows[k][-1] not in eos_ids and len(rows[k]) < limits[start + k]]
+            if open_rows:
+                logits = decode_step(model, cache, tokens, position)
+                position = position + 1
+        outputs += [[t for t in row if t not in eos_ids] for row in rows]
+    return outputs
+
+
+@torch.no_grad()
+def teacher_forced_top1(
+    model: Any,
+    prompt_ids: Sequence[Sequence[int]],
+    targets: Sequence[Sequence[int]],
+    policy: str,
+    budget: Budget,
+    *,
+    length: int,
+    mode: Mode = "drop",
+    pad: int = 0,
+    batch_size: int = 16,
+) -> list[float]:
+    """Per prompt, the share of `targets` (Full's greedy tokens) that are the policy's top-1 given Full's prefix.
+
+    The prompt is read in one call and evicted after it, as in `greedy_generate`; the targets then
+    go through the cache one decode step at a time, exactly as decoding would feed them.
+    """
+    device = model.device
+    scores: list[float] = []
+    for start in range(0, len(prompt_ids), batch_size):
+        prompts = prompt_ids[start : start + batch_size]
+        tgts = [list(t) for t in targets[start : start + batch_size]]
+        ids, mask = left_pad(prompts, pad)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        steps = max(1, max(len(t) for t in tgts))
+        fed = torch.tensor([t + [pad] * (steps - len(t)) for t in tgts], device=device)  # rows past their end: ignored
+        cache = new_cache(policy, budget, length, mode=mode)
+        logits = forward(model, cache, ids.to(device), positions=positions.to(device), attention_mask=mask.to(device))
+        position = positions[:, -1].to(device) + 1
+        predicted = [logits.argmax(-1)]
+        for j in range(steps - 1):
+            predicted.append(decode_step(model, cache, fed[:, j], position + j).argmax(-1))
+        table = torch.stack(predicted, dim=1).tolist()
+        scores += [sum(a == b for a, b in zip(row, t)) / len(t) if t else 1.0 for row, t in zip(table, tgts)]
+    return scores

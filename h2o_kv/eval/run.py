@@ -1,0 +1,155 @@
+"""`run_eval`: run a model under policies x budgets on the accuracy tasks; write tables and plots.
+
+Every task reduces to rows of (policy, budget) -> metrics, with Full run once as the reference.
+Rows are written long-form (tables.py) so a single table holds every task: `results.json` (with the
+run's settings and timings), `results.csv`, `summary.md` and one PNG per task (plots.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from h2o_kv.cache import Mode
+from h2o_kv.policies import Budget
+from h2o_kv.report import environment
+
+from .sizes import DEFAULT_BUDGETS, DEFAULT_POLICIES, DEFAULT_TASKS, SIZES, TASKS, Size
+from .tables import long_rows, write_results
+
+Config = tuple[str, Budget]
+
+
+def configs(policies: Sequence[str], budgets: Sequence[Budget]) -> list[Config]:
+    """Full first (the reference), then every (policy, budget)."""
+    return [("full", None)] + [(p, b) for p in policies if p.lower() != "full" for b in budgets]
+
+
+def run_eval(
+    model: Any,
+    tokenizer: Any,
+    *,
+    tasks: Sequence[str] = DEFAULT_TASKS,
+    policies: Sequence[str] = DEFAULT_POLICIES,
+    budgets: Sequence[Budget] = DEFAULT_BUDGETS,
+    size: str | Size = "small",
+    mode: Mode = "drop",
+    corpus: str | None = None,
+    data: str | None = None,
+    seed: int = 0,
+    out_dir: str | Path | None = None,
+    progress: bool = True,
+    chunk: int | None = None,
+    command: str | None = None,
+) -> list[dict]:
+    """Evaluate `model` under each policy at each budget (fractions or token counts) on `tasks`.
+
+    tasks: "perplexity" (streaming, on `corpus`), "retrieval" (RULER-style, `corpus` as haystack),
+    "fidelity" (greedy drift from Full), "summarize" (needs `data`, an XSUM-style JSONL file).
+    `size` is a preset name ("small", "large") or a `sizes.Size`; `chunk` overrides its tokens
+    between evictions when streaming. Returns the long-form rows; with `out_dir`, also writes the
+    tables and plots there.
+    """
+    from tqdm.auto import tqdm
+
+    sized = (SIZES[size] if isinstance(size, str) else size).with_chunk(chunk)
+    unknown = set(tasks) - set(TASKS)
+    if unknown:
+        raise ValueError(f"unknown task(s) {sorted(unknown)}; choose from {', '.join(TASKS)}")
+    if "summarize" in tasks and not data:
+        raise ValueError("the summarize task needs a JSONL file (data=..., CLI --data) with document and summary")
+    runs = configs(policies, budgets)
+    retrieval = sized.retrieval
+    units = {
+        "perplexity": len(runs),
+        "retrieval": len(retrieval.contexts) * (1 + (len(runs) - 1) * len(retrieval.prefills)),
+        "fidelity": len(runs),
+        "summarize": len(runs),
+    }
+    bar = tqdm(total=sum(units[t] for t in tasks), disable=not progress, desc="eval", unit="run")
+    rows: list[dict] = []
+    timings: dict[str, float] = {}
+    for task in tasks:
+        bar.set_description(task)
+        start = time.perf_counter()
+        run = dict(mode=mode, corpus=corpus, data=data, seed=seed, bar=bar)
+        rows += TASK_RUNNERS[task](model, tokenizer, runs, sized, **run)
+        timings[task] = round(time.perf_counter() - start, 1)
+    bar.close()
+    if out_dir is not None:
+        meta = {
+            "command": command,
+            "size": size if isinstance(size, str) else "custom",
+            "settings": sized.settings(),
+            "tasks": list(tasks),
+            "policies": list(policies),
+            "budgets": list(budgets),
+            "mode": mode,
+            "corpus": corpus or "shakespeare (bundled, offline)",
+            "data": data,
+            "seed": seed,
+            "seconds": timings,
+            "model": getattr(model.config, "_name_or_path", "") or type(model).__name__,
+            "environment": environment(),
+        }
+        write_results(rows, Path(out_dir), meta)
+    return rows
+
+
+def _perplexity(model, tokenizer, runs: list[Config], size: Size, *, mode, corpus, data, seed, bar) -> list[dict]:
+    from .perplexity import run_perplexity, text_windows
+
+    ppl = size.perplexity
+    windows = text_windows(tokenizer, corpus, n=ppl.windows, length=ppl.length, seed=seed)
+    wide = run_perplexity(model, windows, runs, mode=mode, chunk=ppl.chunk, progress=bar)
+    for r in wide:
+        r["n"] = len(windows)
+    return long_rows("perplexity", wide, prefill="stream", mode=mode, chunk=ppl.chunk)
+
+
+def _retrieval(model, tokenizer, runs: list[Config], size: Size, *, mode, corpus, data, seed, bar) -> list[dict]:
+    """Every context length; Full once per length (its answers do not depend on the prefill setting)."""
+    from h2o_kv.data import load_corpus
+
+    from .retrieval import make_samples, run_retrieval
+
+    ret = size.retrieval
+    haystack = load_corpus(corpus, max_chars=2_000_000)
+    rows = []
+    for context in ret.contexts:
+        samples = make_samples(tokenizer, haystack, tasks=ret.tasks, context_tokens=context, n=ret.samples, seed=seed)
+        kw = dict(chunk=ret.chunk, mode=mode, gen_cap=ret.answer_cap, progress=bar)
+        full = run_retrieval(model, tokenizer, samples, runs[:1], prefill="oneshot", **kw)
+        for prefill in ret.prefills:
+            wide = full + run_retrieval(model, tokenizer, samples, runs[1:], prefill=prefill, **kw)
+            chunk = ret.chunk if prefill == "stream" else None
+            rows += long_rows("retrieval", wide, prefill=prefill, mode=mode, chunk=chunk)
+    return rows
+
+
+def _fidelity(model, tokenizer, runs: list[Config], size: Size, *, mode, corpus, data, seed, bar) -> list[dict]:
+    from .fidelity import passage_prompts, run_fidelity
+
+    fid = size.fidelity
+    prompts = passage_prompts(tokenizer, corpus, n=fid.prompts, passage_tokens=fid.passage_tokens, seed=seed)
+    wide = run_fidelity(model, tokenizer, prompts, runs, max_new_tokens=fid.new_tokens, mode=mode, progress=bar)
+    for r in wide:
+        r["n"] = len(prompts)
+    return long_rows("fidelity", wide, prefill="oneshot", mode=mode, chunk=None)
+
+
+def _summarize(model, tokenizer, runs: list[Config], size: Size, *, mode, corpus, data, seed, bar) -> list[dict]:
+    from .summarize import load_jsonl, run_summarize
+
+    summ = size.summarize
+    records = load_jsonl(data, n=summ.records)
+    wide = run_summarize(
+        model, tokenizer, records, runs, max_new_tokens=summ.new_tokens, max_doc_tokens=summ.document_tokens,
+        mode=mode, progress=bar,
+    )  # fmt: skip
+    return long_rows("summarize", wide, prefill="oneshot", mode=mode, chunk=None)
+
+
+TASK_RUNNERS = {"perplexity": _perplexity, "retrieval": _retrieval, "fidelity": _fidelity, "summarize": _summarize}

@@ -1,0 +1,83 @@
+"""What `h2o-kv eval` runs by default and how big: tasks, policies, budgets and the size presets.
+
+"small" runs in minutes on a laptop CPU (the committed results); "large" is the fuller protocol.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+TASKS = ("perplexity", "retrieval", "fidelity", "summarize")
+DEFAULT_TASKS = ("perplexity", "retrieval", "fidelity")
+DEFAULT_POLICIES = ("h2o", "local", "streamingllm", "tova")
+DEFAULT_BUDGETS = (0.05, 0.1, 0.2, 0.5)
+
+
+@dataclass(frozen=True)
+class PerplexitySize:
+    windows: int  # text windows, one per text of the corpus where possible
+    length: int  # tokens per window (budgets are resolved against it)
+    chunk: int | None  # tokens fed between evictions (1: token by token)
+
+
+@dataclass(frozen=True)
+class RetrievalSize:
+    tasks: tuple[str, ...]  # RULER-style tasks (see ruler.TASKS)
+    contexts: tuple[int, ...]  # context lengths in tokens
+    samples: int  # samples per task and context (needle depths sweep evenly)
+    prefills: tuple[str, ...]  # "oneshot" and/or "stream" (see retrieval.py)
+    chunk: int  # tokens per call when streaming the prompt
+    answer_cap: int | None  # at most this many answer tokens (None: RULER's lengths)
+
+
+@dataclass(frozen=True)
+class FidelitySize:
+    prompts: int  # questions about passages of the corpus
+    passage_tokens: int
+    new_tokens: int  # greedy tokens compared with Full's
+
+
+@dataclass(frozen=True)
+class SummarizeSize:
+    records: int  # first records of the JSONL file
+    new_tokens: int
+    document_tokens: int  # documents are cut to this many tokens
+
+
+@dataclass(frozen=True)
+class Size:
+    perplexity: PerplexitySize
+    retrieval: RetrievalSize
+    fidelity: FidelitySize
+    summarize: SummarizeSize
+
+    def with_chunk(self, chunk: int | None) -> Size:
+        """The same size with `chunk` tokens between evictions when streaming (perplexity and retrieval)."""
+        if chunk is None:
+            return self
+        return replace(
+            self, perplexity=replace(self.perplexity, chunk=chunk), retrieval=replace(self.retrieval, chunk=chunk)
+        )
+
+    def settings(self) -> dict[str, Any]:
+        """The size as plain data, for the results' metadata."""
+        return asdict(self)
+
+
+SIZES: dict[str, Size] = {
+    "small": Size(
+        PerplexitySize(windows=4, length=1024, chunk=1),
+        RetrievalSize(("passkey", "niah_single"), (512, 1024), samples=2, prefills=("oneshot", "stream"),
+                      chunk=16, answer_cap=16),
+        FidelitySize(prompts=6, passage_tokens=320, new_tokens=64),
+        SummarizeSize(records=8, new_tokens=64, document_tokens=768),
+    ),
+    "large": Size(
+        PerplexitySize(windows=8, length=4096, chunk=1),
+        RetrievalSize(("passkey", "niah_single", "niah_multikey", "variable_tracking", "common_words"),
+                      (1024, 2048, 4096), samples=10, prefills=("oneshot", "stream"), chunk=16, answer_cap=None),
+        FidelitySize(prompts=16, passage_tokens=1024, new_tokens=128),
+        SummarizeSize(records=100, new_tokens=64, document_tokens=2048),
+    ),
+}  # fmt: skip

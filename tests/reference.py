@@ -18,15 +18,17 @@ class Token:
     last: float = 0.0
 
 
-def choose_victim(rule: str, kept: list[Token], params: dict) -> Token:
-    """The token the policy table removes next."""
-    oldest_first = sorted(kept, key=lambda tok: tok.pos)
+def choose_victim(rule: str, kept: list[Token], params: dict, next_pos: int = 0) -> Token:
+    """The token the policy table removes next (never a protected sink: params["protect"])."""
+    oldest_first = [tok for tok in sorted(kept, key=lambda tok: tok.pos) if tok.pos >= params.get("protect", 0)]
     if rule == "local":
         return oldest_first[0]
     if rule == "streaming":
         return next(tok for tok in oldest_first if tok.pos >= params["sinks"])
-    if rule == "h2o":
-        older = oldest_first[: len(oldest_first) - params["recent"]]
+    if rule in ("h2o", "snapkv"):
+        older = [tok for tok in oldest_first if tok.pos < next_pos - params["recent"]]
+        if params.get("normalize"):
+            return min(older, key=lambda tok: (tok.score / (next_pos - tok.pos), tok.pos))
         return min(older, key=lambda tok: (tok.score, tok.pos))
     if rule == "tova":
         return min(oldest_first, key=lambda tok: (tok.last, tok.pos))
@@ -55,10 +57,15 @@ def reference_layer(
     out = torch.zeros(total, q_heads, dim, dtype=torch.float64)
     kept: list[list[Token]] = [[] for _ in range(kv_heads)]
     start = 0
+    observe, pool, decay = params.get("observe"), params.get("pool", 1), params.get("decay", 1.0)
     for size in chunks:
         new = range(start, start + size)
+        scoring = [t for t in new if size == 1 or observe is None or t > new[-1] - observe]
         for h in range(kv_heads):
+            for tok in kept[h]:
+                tok.score *= decay**size
             kept[h].extend(Token(t) for t in new)
+            gained = {tok.pos: 0.0 for tok in kept[h]}
             for tok in kept[h]:
                 tok.last = 0.0
             for t in new:
@@ -72,12 +79,18 @@ def reference_layer(
                     for tok, w in zip(visible, weights):
                         p = w / total_w
                         out[t, head] += p * v[h, tok.pos]
-                        tok.score += p
+                        if t in scoring:
+                            gained[tok.pos] += p
                         if t == new[-1]:
                             tok.last += p / group
+            in_order = sorted(kept[h], key=lambda tok: tok.pos)
+            reach = pool // 2 if size > 1 and observe is not None else 0  # max over neighbours among kept tokens
+            for i, tok in enumerate(in_order):
+                near = in_order[max(0, i - reach) : i + reach + 1]
+                tok.score += max(gained[other.pos] for other in near)
             if window is not None:
                 kept[h] = [tok for tok in kept[h] if tok.pos > new[-1] + 1 - window]
             while len(kept[h]) > capacity:
-                kept[h].remove(choose_victim(rule, kept[h], params))
+                kept[h].remove(choose_victim(rule, kept[h], params, next_pos=new[-1] + 1))
         start += size
     return out, [sorted(tok.pos for tok in head) for head in kept]

@@ -4,6 +4,8 @@ from .base import MAX_TOKENS, Policy, SlotState
 from .full import Full
 from .h2o import H2O
 from .local import Local
+from .sinks import Sinks
+from .snapkv import SnapKV
 from .streaming import StreamingLLM
 from .tova import TOVA
 
@@ -16,6 +18,8 @@ __all__ = [
     "Local",
     "StreamingLLM",
     "TOVA",
+    "SnapKV",
+    "Sinks",
     "NAMES",
     "build",
     "parse_budget",
@@ -25,7 +29,7 @@ __all__ = [
     "is_fraction",
 ]
 
-NAMES = ("h2o", "local", "streamingllm", "tova", "full")
+NAMES = ("h2o", "snapkv", "local", "streamingllm", "tova", "full")
 
 Budget = float | int | None  # None: the Full cache
 
@@ -108,4 +112,6 @@ def build(name: str, budget: Budget = None, *, sinks: int = 4) -> Policy:
         return Local(window=budget)
     if key == "tova":
         return TOVA(budget=budget)
+    if key == "snapkv":
+        return SnapKV(budget=budget)
     return StreamingLLM(sinks=sinks, budget=budget)

@@ -32,6 +32,10 @@ class Policy:
 
     needs_scores: ClassVar[bool] = False
     needs_last: ClassVar[bool] = False
+    # How scores accumulate (the cache reads these; subclasses may make them fields):
+    score_window: ClassVar[int | None] = None  # a multi-token call scores with its last `score_window` queries only
+    score_pool: ClassVar[int] = 1  # ... max-pooled over that many neighbouring kept tokens (by position)
+    decay: ClassVar[float] = 1.0  # kept scores are multiplied by decay**n before a call of n queries adds to them
 
     def capacity(self, prompt_len: torch.Tensor) -> torch.Tensor | None:
         """Most tokens kept per (sequence, KV head), one value per sequence; None means unbounded."""

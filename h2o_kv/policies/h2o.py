@@ -28,9 +28,15 @@ class H2O(Policy):
     heavy_ratio: float | None = None
     recent_ratio: float | None = None
     budget: int | float | None = None
+    decay: float = 1.0  # < 1: older attention counts less (scores *= decay per query); 1 is the paper's H2O
+    normalize: bool = False  # rank by score / age (queries that could attend to the token), as cold-compress
     needs_scores = True
 
     def __post_init__(self) -> None:
+        if isinstance(self.decay, bool) or not isinstance(self.decay, (int, float)) or not 0.0 < self.decay <= 1.0:
+            raise ValueError(f"H2O: decay must be a number in (0, 1], got {self.decay!r}")
+        if not isinstance(self.normalize, bool):
+            raise TypeError(f"H2O: normalize must be a bool, got {self.normalize!r}")
         counts = self.heavy is not None or (self.recent is not None and self.budget is None)
         ratios = self.heavy_ratio is not None or self.recent_ratio is not None
         given = [
@@ -84,9 +90,16 @@ class H2O(Policy):
     def priority(self, state: SlotState) -> torch.Tensor:
         _, recent = self.split(state.prompt_len)
         is_recent = state.pos >= state.next_pos - recent
-        return state.score.masked_fill(is_recent, float("inf"))
+        score = state.score
+        if self.normalize:
+            score = score / (state.next_pos - state.pos).clamp(min=1).to(score.dtype)
+        return score.masked_fill(is_recent, float("inf"))
 
     def describe(self) -> str:
+        options = (f", decay={self.decay:g}" if self.decay != 1.0 else "") + (", normalize" if self.normalize else "")
+        return self._describe_size()[:-1] + options + ")"
+
+    def _describe_size(self) -> str:
         if self.budget is not None:
             recent = "" if self.recent is None else f", recent={self.recent}"
             return f"H2O(budget={self.budget:g}{recent})"

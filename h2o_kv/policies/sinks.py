@@ -1,0 +1,40 @@
+"""Protected attention sinks for any policy (Xiao et al., 2023, arXiv 2309.17453, section 3.2).
+
+The first few tokens of a sequence receive attention from every later query whatever they say;
+evicting them hurts. `Sinks(H2O(budget=0.2), sinks=4)` keeps them forever, inside the inner policy's
+capacity, and ranks the rest as the inner policy does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import Policy, SlotState, check_budget
+
+
+@dataclass(frozen=True)
+class Sinks(Policy):
+    inner: Policy
+    sinks: int = 4
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.inner, Policy) or isinstance(self.inner, Sinks):
+            raise TypeError(f"Sinks wraps one h2o_kv policy, got {self.inner!r}")
+        check_budget("sinks", self.sinks)
+
+    needs_scores = property(lambda self: self.inner.needs_scores)  # type: ignore[assignment]
+    needs_last = property(lambda self: self.inner.needs_last)  # type: ignore[assignment]
+    score_window = property(lambda self: self.inner.score_window)  # type: ignore[assignment]
+    score_pool = property(lambda self: self.inner.score_pool)  # type: ignore[assignment]
+    decay = property(lambda self: self.inner.decay)  # type: ignore[assignment]
+
+    def capacity(self, prompt_len: torch.Tensor) -> torch.Tensor | None:
+        return self.inner.capacity(prompt_len)
+
+    def priority(self, state: SlotState) -> torch.Tensor:
+        return self.inner.priority(state).masked_fill(state.pos < self.sinks, float("inf"))
+
+    def describe(self) -> str:
+        return f"Sinks({self.inner.describe()}, sinks={self.sinks})"

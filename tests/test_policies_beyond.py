@@ -1,0 +1,82 @@
+"""Policies beyond the paper's H2O (SnapKV scoring, decay, age normalisation, protected sinks) against the
+literal reference of docs/eviction.md, and through a real model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import h2o_kv
+from h2o_kv.policies import Sinks, SnapKV, build
+
+from conftest import make_model, random_ids
+from reference import reference_layer
+from test_eviction import kept_positions, random_qkv, run_layer
+
+POLICIES = {
+    "snapkv": (SnapKV(budget=6, window=4, pool=3), "snapkv", 6, {"recent": 3, "observe": 4, "pool": 3}),
+    "snapkv_wide_window": (SnapKV(budget=6, window=2, pool=5), "snapkv", 6, {"recent": 2, "observe": 2, "pool": 5}),
+    "h2o_decay": (h2o_kv.H2O(heavy=3, recent=2, decay=0.8), "h2o", 5, {"recent": 2, "decay": 0.8}),
+    "h2o_normalize": (h2o_kv.H2O(heavy=3, recent=2, normalize=True), "h2o", 5, {"recent": 2, "normalize": True}),
+    "sinks_h2o": (Sinks(h2o_kv.H2O(heavy=3, recent=2), sinks=2), "h2o", 5, {"recent": 2, "protect": 2}),
+    "sinks_tova": (Sinks(h2o_kv.TOVA(budget=4), sinks=1), "tova", 4, {"protect": 1}),
+    "sinks_snapkv": (Sinks(SnapKV(budget=6, window=4, pool=3), sinks=1), "snapkv", 6,
+                     {"recent": 3, "observe": 4, "pool": 3, "protect": 1}),
+}  # fmt: skip
+SCHEDULES = {
+    "token_by_token": [1] * 16,
+    "one_call": [16],
+    "mixed": [7, 1, 1, 5, 1, 1],
+    "prompt_then_decode": [12, 1, 1, 1, 1],
+}
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@pytest.mark.parametrize("mode", ["drop", "mask"])
+def test_layer_matches_reference(name, schedule, mode):
+    policy, rule, capacity, params = POLICIES[name]
+    q, k, v = random_qkv(seed=3)
+    chunks = SCHEDULES[schedule]
+    out, layer = run_layer(policy, q, k, v, chunks, mode=mode)
+    ref_out, ref_kept = reference_layer(q[0], k[0], v[0], chunks, rule, capacity, params)
+    torch.testing.assert_close(out[0].double(), ref_out, atol=1e-5, rtol=1e-5)
+    assert kept_positions(layer) == ref_kept
+
+
+def test_observation_window_changes_what_a_prompt_keeps():
+    """Only the last queries rank the prompt: a different set than H2O's all-query scores."""
+    q, k, v = random_qkv(total=32, seed=5)
+    _, snap = run_layer(SnapKV(budget=8, window=4, pool=1), q, k, v, [32])
+    _, h2o = run_layer(h2o_kv.H2O(heavy=4, recent=4), q, k, v, [32])
+    assert kept_positions(snap) != kept_positions(h2o)
+
+
+def test_sinks_are_never_evicted():
+    q, k, v = random_qkv(total=24, seed=2)
+    _, layer = run_layer(Sinks(h2o_kv.Local(window=5), sinks=3), q, k, v, [1] * 24)
+    assert all(len(head) == 5 and head[:3] == [0, 1, 2] for head in kept_positions(layer))
+
+
+@pytest.mark.parametrize("policy", [SnapKV(budget=64), Sinks(SnapKV(budget=64)), h2o_kv.H2O(budget=64, decay=0.99)])
+def test_budget_above_length_leaves_the_model_unchanged(policy):
+    stock, model = make_model("llama", enable=False), make_model("llama")
+    ids = random_ids(2, 20)
+    with torch.no_grad():
+        expected = stock(ids).logits
+        got = model(ids, past_key_values=h2o_kv.KVCache(policy), use_cache=True).logits
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_builder_names_and_bad_options():
+    assert build("snapkv", 0.2) == SnapKV(budget=0.2)
+    for bad, message in [
+        (lambda: SnapKV(budget=8, pool=4), "pool must be odd"),
+        (lambda: SnapKV(budget=1.5), "fraction"),
+        (lambda: h2o_kv.H2O(budget=8, decay=0.0), "decay"),
+        (lambda: Sinks(h2o_kv.Local(window=4), sinks=0), "sinks must be > 0"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            bad()
+    with pytest.raises(TypeError, match="Sinks wraps one"):
+        Sinks("h2o")

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_eviction import kept_positions, random_qkv, run_layer
 
 import h2o_kv
 from h2o_kv.policies import Sinks, SnapKV, build
 
 from conftest import make_model, random_ids
 from reference import reference_layer
-from test_eviction import kept_positions, random_qkv, run_layer
 
 POLICIES = {
     "snapkv": (SnapKV(budget=6, window=4, pool=3), "snapkv", 6, {"recent": 3, "observe": 4, "pool": 3}),

@@ -1,0 +1,207 @@
+"""`h2o-kv serve` under concurrency: batch invariance, a bounded load test within --kv-memory,
+graceful shutdown (in process and by SIGTERM), the serve flags, and the load generator at a tiny size."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("openai")
+
+import httpx  # noqa: E402
+from serve_helpers import MODEL, bundled_tokenizer, client, running_server, tiny_model, wait_for  # noqa: E402
+
+from h2o_kv import policies  # noqa: E402
+from h2o_kv.serve.main import parse_bytes  # noqa: E402
+
+LIMIT_S = 120  # every concurrent phase below must finish well within this
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return bundled_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return tiny_model(tokenizer)
+
+
+class Sampler:
+    """Polls engine.stats() in a thread: the largest values seen of each field."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.peak, self._stop = engine, {}, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + LIMIT_S
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            for key, value in self.engine.stats().items():
+                if isinstance(value, int):
+                    self.peak[key] = max(self.peak.get(key, 0), value)
+            time.sleep(0.002)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _mixed_requests(n: int, seed: int) -> list[dict]:
+    """Prompts of different lengths (token ids), each with its own policy, budget and token limit."""
+    rng = random.Random(seed)
+    kinds = [("h2o", 8), ("local", 0.5), ("streamingllm", 12), ("tova", 0.25), ("full", None), ("h2o", "30%")]
+    out = []
+    for i in range(n):
+        policy, budget = kinds[i % len(kinds)]
+        extra = {"kv_policy": policy} | ({} if budget is None else {"kv_budget": budget})
+        ids = [rng.randrange(5, 40000) for _ in range(6 + 11 * i % 97)]
+        out.append(dict(prompt=ids, max_tokens=5 + i % 7, extra_body=extra, stream=i % 3 == 0))
+    return out
+
+
+def _complete(api, request: dict) -> tuple[str, str, int]:
+    """(text, finish_reason, completion_tokens) of one greedy request, streamed or not."""
+    kw = dict(model=MODEL, temperature=0, **request)
+    if not kw["stream"]:
+        out = api.completions.create(**kw)
+        return out.choices[0].text, out.choices[0].finish_reason, out.usage.completion_tokens
+    chunks = list(api.completions.create(**kw, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    return text, chunks[-2].choices[0].finish_reason, chunks[-1].usage.completion_tokens
+
+
+def test_concurrent_greedy_requests_return_what_each_returns_alone(model, tokenizer) -> None:
+    requests = _mixed_requests(16, seed=3)
+    with running_server(model, tokenizer, max_batch=16, prefill_chunk=16) as (engine, url):
+        api = client(url)
+        alone = [_complete(api, r) for r in requests]
+        with Sampler(engine) as sampler, ThreadPoolExecutor(16) as pool:
+            futures = [pool.submit(_complete, api, r) for r in requests]
+            finished, _ = wait(futures, timeout=LIMIT_S)
+        together = [f.result() for f in futures]
+    assert len(finished) == 16
+    assert sampler.peak["running"] >= 8  # they really shared the engine
+    for i, (want, got) in enumerate(zip(alone, together)):
+        assert got == want, f"request {i} ({requests[i]['extra_body']}, {len(requests[i]['prompt'])} tokens)"
+    assert all(tokens == r["max_tokens"] for (_, _, tokens), r in zip(alone, requests))
+
+
+def test_load_64_requests_16_at_a_time_stays_within_kv_memory(model, tokenizer) -> None:
+    from h2o_kv.engine import Engine
+
+    kv_memory = 4 * Engine(model, tokenizer).kv_bytes_for(100, 11, policies.Full())
+    requests = _mixed_requests(64, seed=5)
+    with running_server(model, tokenizer, kv_memory=kv_memory, max_batch=16, prefill_chunk=32) as (engine, url):
+        api = client(url)
+        start = time.monotonic()
+        with Sampler(engine) as sampler, ThreadPoolExecutor(16) as pool:
+            futures = [pool.submit(_complete, api, r) for r in requests]
+            finished, _ = wait(futures, timeout=LIMIT_S)
+        elapsed = time.monotonic() - start
+        assert len(finished) == 64, f"{64 - len(finished)} requests unfinished after {LIMIT_S} s"
+        results = [f.result() for f in futures]  # raises if any request failed
+        stats = engine.stats()
+    assert [tokens for _, _, tokens in results] == [r["max_tokens"] for r in requests]
+    assert {finish for _, finish, _ in results} == {"length"}
+    assert 0 < sampler.peak["kv_bytes_in_use"] <= kv_memory
+    assert sampler.peak["kv_bytes_reserved"] <= kv_memory
+    assert sampler.peak["waiting"] > 0 and sampler.peak["running"] > 1  # memory, not count, admitted them
+    assert stats["kv_bytes_in_use"] == 0 and stats["running"] == stats["waiting"] == 0
+    assert elapsed < LIMIT_S
+
+
+def _read_stream(url: str, body: dict, into: list) -> None:
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+        into.extend(line for line in response.iter_lines() if line)
+
+
+def test_shutdown_drains_short_streams_and_ends_long_ones_cleanly(model, tokenizer) -> None:
+    short, long = [], []
+    body = {"model": MODEL, "prompt": "Hello", "temperature": 0, "stream": True}
+    with running_server(model, tokenizer, drain_timeout=1.0) as (engine, url):
+        threads = [
+            threading.Thread(target=_read_stream, args=(url, body | {"max_tokens": 1000}, long)),
+            threading.Thread(target=_read_stream, args=(url, body | {"max_tokens": 12}, short)),
+        ]
+        threads[0].start()
+        wait_for(lambda: len(long) >= 2, what="the long stream to start")
+        threads[1].start()
+        wait_for(lambda: engine.stats()["running"] == 2, what="both requests to run")
+    for thread in threads:  # the server is down: both streams must have ended on their own
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+    finish = [json.loads(lines[-2].removeprefix("data: "))["choices"][0]["finish_reason"] for lines in (short, long)]
+    assert finish == ["length", "cancelled"]
+    assert short[-1] == long[-1] == "data: [DONE]"
+    assert engine.stats()["running"] == 0
+
+
+@pytest.mark.slow
+def test_sigterm_ends_the_server_process_without_a_traceback(model, tokenizer, tmp_path) -> None:
+    model.save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    cmd = [sys.executable, "-m", "h2o_kv.cli", "serve", "--model", str(tmp_path / "tiny"), "--served-model-name",
+           MODEL, "--port", "0", "--drain-timeout", "1"]  # fmt: skip
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        port = None
+        for line in proc.stderr:  # uvicorn logs its address when it is up
+            if "Uvicorn running on" in line:
+                port = int(line.split("http://127.0.0.1:")[1].split()[0])
+                break
+        assert port, "the server did not start"
+        lines: list[str] = []
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 1000, "stream": True}
+        reader = threading.Thread(target=_read_stream, args=(f"http://127.0.0.1:{port}", body, lines))
+        reader.start()
+        wait_for(lambda: len(lines) >= 2, timeout=60, what="the stream to start")
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=60)[1]
+        reader.join(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode in (0, -signal.SIGTERM), rest  # uvicorn re-raises the signal after its clean shutdown
+    assert "Finished server process" in rest and "Traceback" not in rest and "Error" not in rest, rest
+    assert lines[-1] == "data: [DONE]"
+
+
+def test_kv_memory_sizes_and_serve_flags() -> None:
+    from h2o_kv.cli import build_parser
+    from h2o_kv.serve.main import engine_settings
+
+    assert parse_bytes("512MiB") == 512 * 2**20
+    assert parse_bytes("2GB") == 2 * 10**9
+    assert parse_bytes("1.5 GiB") == 3 * 2**29
+    assert parse_bytes("123456") == 123456
+    for bad in ("12XB", "-1", "", "0", "MiB", "1e9"):
+        with pytest.raises(ValueError, match="kv-memory"):
+            parse_bytes(bad)
+    parse = build_parser().parse_args
+    settings = engine_settings(parse(["serve", "--budget", "20%", "--kv-memory", "1GiB", "--max-batch", "8"]))
+    assert (settings["policy"], settings["budget"], settings["kv_memory"], settings["max_batch"]) == (
+        "h2o",
+        0.2,
+        2**30,
+        8,
+    )
+    assert engine_settings(parse(["serve", "--policy", "full"]))["budget"] is None
+    assert engine_settings(parse(["serve", "--budget", "64"]))["budget"] == 64
+    for argv in (["--budget", "1.5"], ["--budget", "0"], ["--max-batch", "0"], ["--kv-memory", "lots"]):
+        with pytest.raises(ValueError):
+            engine_settings(parse(["serve", *argv]))

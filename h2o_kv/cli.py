@@ -18,6 +18,8 @@ DEMO_QUESTION = "Who speaks in this passage, and what are they arguing about? An
 def policy_from_args(args: argparse.Namespace) -> policies.Policy:
     """The policy the flags name: --heavy/--recent for H2O, else `policies.build(--policy, --budget)`."""
     name = args.policy
+    if name != "h2o" and (args.heavy is not None or args.recent is not None):
+        raise ValueError(f"--heavy and --recent size an H2O cache; --policy {name} takes --budget")
     if name == "h2o" and (args.heavy is not None or args.recent is not None):
         return policies.H2O(heavy=args.heavy or 0, recent=args.recent or 0)
     if name == "full":
@@ -30,14 +32,30 @@ def policy_from_args(args: argparse.Namespace) -> policies.Policy:
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
-    if args.file:
-        with open(args.file, encoding="utf-8") as handle:
-            return handle.read()
-    if args.prompt is not None:
-        return args.prompt
-    if not sys.stdin.isatty():
-        return sys.stdin.read()
-    raise ValueError("give a prompt: --prompt TEXT, --file PATH, or text on standard input")
+    """The prompt from --file, the argument or standard input; an unreadable or empty one is refused."""
+    if args.file is not None and args.prompt is not None:
+        raise ValueError("give the prompt as an argument or with --file, not both")
+    if args.file is not None:
+        try:
+            with open(args.file, encoding="utf-8") as handle:
+                text, source = handle.read(), f"--file {args.file}"
+        except IsADirectoryError:
+            raise ValueError(f"--file {args.file} is a directory, not a text file") from None
+        except FileNotFoundError:
+            raise ValueError(f"--file {args.file} does not exist") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"--file {args.file} is not UTF-8 text") from None
+        except OSError as err:
+            raise ValueError(f"--file {args.file} cannot be read: {err.strerror or err}") from None
+    elif args.prompt is not None:
+        text, source = args.prompt, "the prompt argument"
+    elif not sys.stdin.isatty():
+        text, source = sys.stdin.read(), "standard input"
+    else:
+        raise ValueError("give a prompt: an argument, --file PATH, or text on standard input")
+    if not text.strip():
+        raise ValueError(f"the prompt is empty ({source})")
+    return text
 
 
 def generate(
@@ -93,10 +111,12 @@ def _mib(n: int) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from .distributed import default_tp_plan, is_main, shared_seed, world_size
-    from .models import load_model
+    from .models import check_device, check_model, load_model
 
     prompt = _read_prompt(args)
-    policy_from_args(args)  # reject bad flags before loading anything
+    policy_from_args(args)  # reject bad flags, the device and the model before loading anything
+    check_device(args.device)
+    check_model(args.model)
     model, tokenizer = load_model(args.model, device=args.device, tp_plan=default_tp_plan())  # TP under torchrun
     policy = policy_from_args(args)
     if args.sample:
@@ -124,7 +144,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"{result['new_tokens']} new tokens at {result['tokens_per_s']:.1f} tokens/s",
         file=sys.stderr,
     )
-    return 0
+    return 130 if result["finish_reason"] == "cancelled" else 0  # Ctrl-C: the text so far is printed
 
 
 def demo_prompt(words: int = 700) -> str:
@@ -183,18 +203,70 @@ def cmd_setup(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: `h2o-kv generate: error: ...`, exit code 2, no usage dump."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _budget(text: str) -> int | float:
+    """--budget: the one budget meaning, `policies.parse_budget` ("64" tokens, "0.2" or "20%" a fraction)."""
+    try:
+        return policies.parse_budget(text)
+    except (ValueError, TypeError) as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 < value <= 1.0:  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1], got {text}")
+    return value
+
+
+def _temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 < value <= 100.0:  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"must be in (0, 100], got {text}")
+    return value
+
+
 def _add_policy_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="h2o", choices=policies.NAMES)
     parser.add_argument(
         "--budget",
-        type=float,
+        type=_budget,
         default=0.2,
-        help="KV budget per layer and head: tokens, or a fraction of the prompt if < 1 (default 0.2)",
+        help="KV budget per layer and head: tokens (64), or a fraction of the prompt (0.2, 20%%, 1.0 = all) "
+        "(default 0.2)",
     )
-    parser.add_argument("--heavy", type=int, default=None, help="H2O heavy-hitter tokens (with --recent)")
-    parser.add_argument("--recent", type=int, default=None, help="H2O recent-window tokens (with --heavy)")
-    parser.add_argument("--sinks", type=int, default=4, help="StreamingLLM sink tokens")
-    parser.add_argument("--prefill-chunk", type=int, default=None, help="process the prompt in chunks of this size")
+    count = _int_at_least(0)
+    parser.add_argument("--heavy", type=count, default=None, help="H2O heavy-hitter tokens (with --recent)")
+    parser.add_argument("--recent", type=count, default=None, help="H2O recent-window tokens (with --heavy)")
+    parser.add_argument("--sinks", type=count, default=4, help="StreamingLLM sink tokens")
+    parser.add_argument(
+        "--prefill-chunk", type=_int_at_least(1), default=None, help="process the prompt in chunks of this size"
+    )
     parser.add_argument(
         "--mode",
         default="drop",
@@ -204,7 +276,7 @@ def _add_policy_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="h2o-kv", description=__doc__)
+    parser = _Parser(prog="h2o-kv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text with a bounded KV cache, streaming tokens")
@@ -212,9 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--file", default=None, help="read the prompt from a file")
     gen.add_argument("--model", default="smollm2-135m", help="bundled name, HF id, local dir or .gguf file")
     gen.add_argument("--device", default="cpu")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--max-new-tokens", type=_int_at_least(1), default=128)
     gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    gen.add_argument("--temperature", type=float, default=0.7)
+    gen.add_argument("--temperature", type=_temperature, default=0.7)
     gen.add_argument("--no-chat", dest="chat", action="store_false", help="do not apply the chat template")
     _add_policy_flags(gen)
     gen.set_defaults(func=cmd_generate)
@@ -222,9 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="Full vs H2O at 20%% of a long prompt, side by side, on the bundled model")
     demo.add_argument("--model", default="smollm2-135m")
     demo.add_argument("--device", default="cpu")
-    demo.add_argument("--ratio", type=float, default=0.2, help="H2O budget as a fraction of the prompt")
-    demo.add_argument("--words", type=int, default=700, help="words of Hamlet in the prompt")
-    demo.add_argument("--max-new-tokens", type=int, default=64)
+    demo.add_argument("--ratio", type=_fraction, default=0.2, help="H2O budget as a fraction of the prompt")
+    demo.add_argument("--words", type=_int_at_least(1), default=700, help="words of Hamlet in the prompt")
+    demo.add_argument("--max-new-tokens", type=_int_at_least(1), default=64)
     demo.set_defaults(func=cmd_demo)
 
     setup = sub.add_parser("setup", help="prepare the bundled model and text corpus for offline use")
@@ -239,12 +311,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Exit codes: 0 done, 2 bad input (one line on stderr, nothing loaded), 130 interrupted (Ctrl-C)."""
     try:
+        args = build_parser().parse_args(argv)
         return args.func(args)
     except (ValueError, FileNotFoundError, TypeError) as err:
         print(f"h2o-kv: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\nh2o-kv: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

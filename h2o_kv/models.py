@@ -89,19 +89,85 @@ def _converted(gguf: Path, key: str) -> Path:
 
 def _resolve(name: str) -> str:
     """Map a model name to something ``from_pretrained`` can open without the hub, if possible."""
+    check_model(name)
     if name == BUNDLED_NAME:
         return str(_converted(bundled_gguf_path(), BUNDLED_NAME))
     path = Path(name).expanduser()
     if path.suffix == ".gguf" and path.is_file():
         return str(_converted(path.resolve(), f"{path.stem}-{path.stat().st_size}"))
-    if path.is_dir():
-        return str(path)
+    return str(path) if path.is_dir() else name  # else a hub id, in the local hub cache or reachable
+
+
+def check_model(name: str) -> None:
+    """Refuse, without loading anything, a model name that cannot be opened here (cheap: no conversion).
+
+    A hub id must be in the local Hugging Face cache or the hub must answer within a few seconds;
+    with HF_HUB_OFFLINE=1 only the cache counts. No download starts here.
+    """
+    if name == BUNDLED_NAME:
+        bundled_gguf_path()
+        return
+    path = Path(name).expanduser()
+    if (path.suffix == ".gguf" and path.is_file()) or path.is_dir():
+        return
     if _looks_like_path(name):
         raise FileNotFoundError(
             f"model path {name!r} does not exist (expected a model directory, a .gguf file, "
             f"{BUNDLED_NAME!r} or a Hugging Face hub id)"
         )
-    return name  # a Hugging Face hub id: needs network access
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return
+    why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else _unreachable(constants.ENDPOINT)
+    if why:
+        raise FileNotFoundError(
+            f"model {name!r} is not available offline ({why}, and it is not in the Hugging Face cache): "
+            f"give a local model directory or .gguf file (e.g. --model ./my-model), or {BUNDLED_NAME!r}"
+        )
+
+
+def _unreachable(endpoint: str, timeout: float = 3.0) -> str | None:
+    """Why the hub at `endpoint` cannot be reached (a TCP connection within `timeout`), or None."""
+    import socket
+    import threading
+    from urllib.parse import urlparse
+
+    url = urlparse(endpoint)
+    address = (url.hostname or "", url.port or (443 if url.scheme == "https" else 80))
+    result: list[str | None] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection(address, timeout=timeout).close()
+            result.append(None)
+        except OSError as err:
+            result.append(f"no network: {endpoint} unreachable, {err.strerror or type(err).__name__}")
+
+    thread = threading.Thread(target=probe, daemon=True)  # name lookups ignore socket timeouts
+    thread.start()
+    thread.join(timeout)
+    return result[0] if result else f"no network: {endpoint} did not answer in {timeout:g} s"
+
+
+def check_device(device: str) -> None:
+    """Refuse a device that cannot hold a usable model here, before anything is loaded."""
+    if device == "auto":
+        return
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}: use cpu, cuda, cuda:N or auto") from None
+    if parsed.type == "meta":
+        raise ValueError("device 'meta' holds no weights (a model there cannot generate): use cpu, cuda or auto")
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"torch {torch.__version__}" + ("" if torch.version.cuda else " built without CUDA")
+            raise ValueError(f"device {device!r}: CUDA is not available here ({build}); use --device cpu")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+    elif parsed.type not in ("cpu", "mps", "xpu"):
+        raise ValueError(f"device {device!r} is not supported: use cpu, cuda, cuda:N or auto")
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None, device: str) -> torch.dtype:
@@ -133,6 +199,7 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_device(device)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     source = _resolve(str(name))

@@ -1,0 +1,169 @@
+"""Every bad `h2o-kv generate` input: exit code 2, exactly one line on stderr, no traceback, nothing loaded.
+
+The table runs `h2o_kv.cli.main` in this process with model loading replaced by a tripwire (fast:
+every case must fail before a model is touched); a few cases also run the installed `h2o-kv`
+command in a subprocess, end to end, and Ctrl-C is sent to a real generation.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from h2o_kv import cli, models
+
+H2O_KV = Path(sys.executable).with_name("h2o-kv")
+OFFLINE_ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Loading a model fails the test: bad input must be refused before."""
+
+    def tripwire(*args, **kwargs):
+        raise AssertionError("a model was loaded for bad input")
+
+    monkeypatch.setattr(models, "load_model", tripwire)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(models, "_unreachable", lambda endpoint, timeout=3.0: "no network (test)")
+
+
+def _table(tmp_path: Path) -> dict[str, tuple[list[str], str, str]]:
+    """case -> (arguments after `generate`, standard input, what the one line must say)."""
+    empty, blank, binary = tmp_path / "empty.txt", tmp_path / "blank.txt", tmp_path / "binary.txt"
+    if tmp_path.is_dir():
+        empty.write_text("")
+        blank.write_text("  \n\t\n")
+        binary.write_bytes(b"\xff\xfe\x00\x81")
+    cuda = [] if torch.cuda.is_available() else [("cuda_without_cuda", ["hi", "--device", "cuda"], "", "CUDA")]
+    cases = [
+        ("file_is_a_directory", ["--file", str(tmp_path)], "", "is a directory"),
+        ("file_missing", ["--file", str(tmp_path / "nope.txt")], "", "does not exist"),
+        ("file_not_text", ["--file", str(binary)], "", "not UTF-8"),
+        ("file_and_argument", ["hi", "--file", str(empty)], "", "not both"),
+        ("budget_inf", ["hi", "--budget", "inf"], "", "means nothing"),
+        ("budget_nan", ["hi", "--budget", "nan"], "", "means nothing"),
+        ("budget_1.5", ["hi", "--budget", "1.5"], "", "means nothing"),
+        ("budget_zero", ["hi", "--budget", "0"], "", "budget"),
+        ("budget_negative", ["hi", "--budget", "-3"], "", "budget"),
+        ("budget_percent_over", ["hi", "--budget", "150%"], "", "means nothing"),
+        ("budget_word", ["hi", "--budget", "lots"], "", "not a number"),
+        ("budget_huge", ["hi", "--budget", str(2**70)], "", "must be in"),
+        ("heavy_negative", ["hi", "--heavy", "-1", "--recent", "4"], "", "at least 0"),
+        ("heavy_with_local", ["hi", "--policy", "local", "--heavy", "4"], "", "--policy local takes --budget"),
+        ("recent_over_budget", ["hi", "--heavy", "0", "--recent", "0"], "", "must be > 0"),
+        ("prefill_chunk_zero", ["hi", "--prefill-chunk", "0"], "", "at least 1"),
+        ("max_new_tokens_zero", ["hi", "--max-new-tokens", "0"], "", "at least 1"),
+        ("temperature_nan", ["hi", "--temperature", "nan"], "", "must be in"),
+        ("unknown_policy", ["hi", "--policy", "lru"], "", "invalid choice"),
+        ("device_meta", ["hi", "--device", "meta"], "", "meta"),
+        ("device_unknown", ["hi", "--device", "tpu9"], "", "device"),
+        *cuda,
+        ("hub_id_offline", ["hi", "--model", "someone/some-model"], "", "not available offline"),
+        ("model_path_missing", ["hi", "--model", "./no/such/model"], "", "does not exist"),
+        ("empty_argument", [""], "", "the prompt is empty"),
+        ("blank_argument_no_chat", ["   ", "--no-chat"], "", "the prompt is empty"),
+        ("empty_file", ["--file", str(empty)], "", "the prompt is empty"),
+        ("blank_file_no_chat", ["--file", str(blank), "--no-chat"], "", "the prompt is empty"),
+        ("empty_stdin", [], "", "the prompt is empty"),
+        ("blank_stdin_no_chat", ["--no-chat"], " \n", "the prompt is empty"),
+    ]
+    return {name: (argv, stdin, message) for name, argv, stdin, message in cases}
+
+
+CASES = sorted(_table(Path("/nonexistent")))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_exits_2_with_one_line(case, tmp_path, no_loading, monkeypatch, capsys):
+    argv, stdin, message = _table(tmp_path)[case]
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    try:
+        code = cli.main(["generate", *argv])
+    except SystemExit as exit_:  # argparse's own errors
+        code = exit_.code
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert code == 2, captured.err
+    assert len(lines) == 1, captured.err
+    assert message in lines[0] and "Traceback" not in captured.err
+    assert lines[0].startswith("h2o-kv")
+    assert captured.out == ""
+
+
+def test_interrupt_while_loading_exits_130_with_one_line(tmp_path, monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(models, "load_model", interrupted)
+    assert cli.main(["generate", "hi"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == ["h2o-kv: interrupted"]
+
+
+def _run(args: list[str], stdin: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(H2O_KV), *args], input=stdin, capture_output=True, text=True, env=OFFLINE_ENV, timeout=300
+    )
+
+
+@pytest.mark.parametrize(
+    "args, stdin, message",
+    [
+        (["generate", "hi", "--budget", "1.5"], "", "means nothing"),  # refused by the parser
+        (["generate", "--file", "/"], "", "is a directory"),  # refused by the command, before loading
+        (["generate", "hi", "--device", "meta"], "", "meta"),
+        (["generate"], "", "the prompt is empty"),
+    ],
+    ids=["parser", "file", "device", "stdin"],
+)
+def test_installed_command_gives_one_line(args, stdin, message):
+    done = _run(args, stdin)
+    assert done.returncode == 2, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and message in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and done.stdout == ""
+
+
+def test_ctrl_c_stops_generation_cleanly(tmp_path):
+    """SIGINT during a long generation: exit 130, what was generated is printed, no traceback."""
+    if not (models.cache_dir() / "models" / models.BUNDLED_NAME / "config.json").is_file():
+        pytest.skip("bundled model not converted (make setup)")
+    proc = subprocess.Popen(
+        [str(H2O_KV), "generate", "Count from one to a million in words.", "--max-new-tokens", "100000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=OFFLINE_ENV,
+    )
+    first = threading.Event()
+    out = bytearray()
+
+    def read() -> None:
+        while chunk := proc.stdout.read1(1024):
+            out.extend(chunk)
+            if out.strip():
+                first.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert first.wait(240), "no token streamed within 240 s"
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        err = proc.stderr.read().decode()
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(10)
+    assert code == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert out.strip()  # the tokens generated before the interrupt were printed

@@ -302,11 +302,14 @@ def build_parser() -> argparse.ArgumentParser:
     setup = sub.add_parser("setup", help="prepare the bundled model and text corpus for offline use")
     setup.set_defaults(func=cmd_setup)
 
-    for module in ("h2o_kv.eval.cli", "h2o_kv.bench"):
-        try:
-            __import__(module, fromlist=["add_parser"]).add_parser(sub)
-        except (ImportError, AttributeError):  # optional studies not installed in this checkout
-            pass
+    # The studies' flags need only the core; running one without its extra prints one line naming it.
+    from .bench import add_parser as add_bench_parser
+    from .eval.cli import add_parser as add_eval_parser
+    from .serve.main import add_parser as add_serve_parser
+
+    add_eval_parser(sub)
+    add_bench_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 

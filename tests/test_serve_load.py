@@ -205,3 +205,31 @@ def test_kv_memory_sizes_and_serve_flags() -> None:
     for argv in (["--budget", "1.5"], ["--budget", "0"], ["--max-batch", "0"], ["--kv-memory", "lots"]):
         with pytest.raises(ValueError):
             engine_settings(parse(["serve", *argv]))
+
+
+def test_load_generator_at_a_tiny_size(model, tokenizer, tmp_path) -> None:
+    from h2o_kv.engine import Engine
+    from h2o_kv.serve.loadgen import make_prompts, parse_configs, ratios, run_benchmark
+    from h2o_kv.serve.results import write_results
+
+    with pytest.raises(ValueError):
+        parse_configs("h2o:1.5")
+    with pytest.raises(ValueError):
+        parse_configs("full:64")
+    configs = parse_configs("h2o:0.2, full")
+    assert [c["fields"] for c in configs] == [{"kv_policy": "h2o", "kv_budget": "0.2"}, {"kv_policy": "full"}]
+    prompts = make_prompts(list(range(5, 205)), n=6, length=96)
+    assert [len(p) for p in prompts] == [96] * 6 and prompts[0] != prompts[1]
+
+    kv_memory = 2 * Engine(model, tokenizer).kv_bytes_for(96, 6, policies.Full())
+    with running_server(model, tokenizer, kv_memory=kv_memory, max_batch=16) as (engine, url):
+        rows = run_benchmark(url, prompts, configs, max_tokens=6, concurrency=6, timeout=LIMIT_S, progress=str)
+    assert [(r["config"], r["errors"], r["generated_tokens"]) for r in rows] == [("h2o:0.2", 0, 36), ("full", 0, 36)]
+    for row in rows:
+        assert 0 < row["ttft_s_p50"] <= row["latency_s_p50"] <= row["wall_s"]
+        assert row["kv_bytes_allowed"] == kv_memory and 0 < row["peak_kv_bytes"] <= kv_memory
+        assert 1 <= row["peak_running"] <= 6
+    assert rows[1]["peak_running"] <= 2  # two full-cache requests fill the KV memory
+    paths = write_results(rows, ratios(rows), {"requests": 6}, tmp_path)
+    assert json.loads(paths["json"].read_text())["results"][0]["config"] == "h2o:0.2"
+    assert paths["csv"].read_text().count("\n") == 3 and paths["plot"].stat().st_size > 0

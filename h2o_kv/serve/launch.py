@@ -1,0 +1,65 @@
+"""Start `h2o-kv serve` as a child process on an ephemeral 127.0.0.1 port (the load generator's server)."""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+
+_ADDRESS = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
+
+
+def served_model(url: str) -> str:
+    """The first model id a server lists at /v1/models."""
+    response = httpx.get(f"{url}/v1/models", timeout=30)
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+@contextmanager
+def launch_server(
+    model: str, *, kv_memory: str | None, max_batch: int, prefill_chunk: int, start_timeout: float = 600.0,
+    extra: tuple[str, ...] = (),
+) -> Iterator[str]:  # fmt: skip
+    """Run `h2o-kv serve` until the block ends (then SIGTERM); yields its base URL."""
+    cmd = [sys.executable, "-m", "h2o_kv.cli", "serve", "--model", model, "--port", "0", "--log-level", "info",
+           "--max-batch", str(max_batch), "--prefill-chunk", str(prefill_chunk), *extra]  # fmt: skip
+    if kv_memory is not None:
+        cmd += ["--kv-memory", str(kv_memory)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=dict(os.environ))
+    tail: collections.deque[str] = collections.deque(maxlen=40)
+    port: list[int] = []
+
+    def read() -> None:  # keep the pipe drained for the whole run (uvicorn logs every request)
+        for line in proc.stderr:
+            tail.append(line.rstrip())
+            if not port and (match := _ADDRESS.search(line)):
+                port.append(int(match.group(1)))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + start_timeout
+    try:
+        while not port:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("h2o-kv serve did not start:\n" + "\n".join(tail))
+            time.sleep(0.1)
+        yield f"http://127.0.0.1:{port[0]}"
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        reader.join(timeout=5)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from h2o_kv.cache import KVCache, Mode
+from h2o_kv.engine import Engine
 from h2o_kv.generation import decode_step, forward
 from h2o_kv.policies import Budget, budget_tokens, build
 
@@ -34,7 +35,6 @@ def pad_id(tokenizer: Any) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
 
-@torch.no_grad()
 def greedy_generate(
     model: Any,
     tokenizer: Any,
@@ -48,7 +48,7 @@ def greedy_generate(
     batch_size: int = 16,
     length: int | None = None,
 ) -> list[list[int]]:
-    """Greedy continuations (token ids, cut at EOS) of left-padded batches, a fresh cache per batch.
+    """Greedy continuations (token ids, EOS removed) through the engine, `batch_size` sequences at a time.
 
     The budget is sized from `length` (default: the longest prompt), so every prompt gets the same
     cache. `prefill_chunk=None` reads the prompt in one call and evicts after it (the paper's
@@ -56,29 +56,14 @@ def greedy_generate(
     """
     length = length or max(len(p) for p in prompt_ids)
     limits = [max_new_tokens] * len(prompt_ids) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-    eos = model.generation_config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
-    device = model.device
-    outputs: list[list[int]] = []
-    for start in range(0, len(prompt_ids), batch_size):
-        ids, mask = left_pad(prompt_ids[start : start + batch_size], pad_id(tokenizer))
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = new_cache(policy, budget, length, mode=mode, chunk=prefill_chunk)
-        logits = forward(model, cache, ids.to(device), positions=positions.to(device), attention_mask=mask.to(device))
-        position = positions[:, -1].to(device) + 1
-        rows: list[list[int]] = [[] for _ in range(ids.shape[0])]
-        open_rows = [k for k in range(ids.shape[0]) if limits[start + k] > 0]
-        while open_rows:
-            tokens = logits.argmax(-1)
-            for k, token in enumerate(tokens.tolist()):
-                if k in open_rows:
-                    rows[k].append(token)
-            open_rows = [k for k in open_rows if rows[k][-1] not in eos_ids and len(rows[k]) < limits[start + k]]
-            if open_rows:
-                logits = decode_step(model, cache, tokens, position)
-                position = position + 1
-        outputs += [[t for t in row if t not in eos_ids] for row in rows]
-    return outputs
+    engine = Engine(model, tokenizer, max_batch=batch_size, prefill_chunk=prefill_chunk, mode=mode)
+    chosen = build(policy, budget_tokens(budget, length))
+    requests = [
+        engine.submit(list(ids), max_tokens=limit, policy=chosen) if limit > 0 else None
+        for ids, limit in zip(prompt_ids, limits, strict=True)
+    ]
+    engine.run()
+    return [[] if r is None else [t for t in r.result().token_ids if t not in engine.eos] for r in requests]
 
 
 @torch.no_grad()

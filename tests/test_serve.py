@@ -219,6 +219,12 @@ def test_client_disconnect_cancels_and_frees_the_kv(server, api) -> None:
     assert engine.stats()["running"] == 0
     assert engine.stats()["generated_tokens"] - before < 900
 
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 900}  # a client that stops waiting for a whole answer
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json=body, timeout=0.5)
+    wait_for(lambda: metric(url, "h2o_kv_requests_total", {"finish_reason": "cancelled"}) == cancelled + 2)
+    assert metric(url, "h2o_kv_kv_bytes_in_use") == 0 and engine.stats()["generated_tokens"] - before < 1800
+
 
 def test_metrics_count_tokens_requests_and_first_token_times(server, api) -> None:
     url = server[1]

@@ -36,14 +36,21 @@ class Outcome:
     start: float
     end: float
     first: float | None = None
-    tokens: int = 0
+    tokens: int = 0  # from the usage chunk; else the chunks that carried text (a server without usage)
+    chunks: int = 0
     error: str | None = None
 
 
 def parse_configs(text: str) -> list[dict]:
-    """'h2o:0.2,full,tova:64' -> request body fields per config (validated as the server would)."""
+    """'h2o:0.2,full,tova:64' -> request body fields per config (validated as the server would).
+
+    "default" sends no kv fields: the server's own defaults (the only config for another server).
+    """
     configs = []
     for item in filter(None, (part.strip() for part in text.split(","))):
+        if item == "default":
+            configs.append({"name": item, "fields": {}})
+            continue
         name, _, budget_text = item.partition(":")
         budget = policies.parse_budget(budget_text) if budget_text else None
         policies.build(name, budget)
@@ -76,14 +83,21 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict, gate: asyncio.Se
                     chunk = json.loads(line[6:])
                     if "error" in chunk:
                         outcome.error = chunk["error"].get("message", "error")
-                    if chunk.get("choices") and outcome.first is None:
-                        outcome.first = time.perf_counter()
+                    if chunk.get("choices") and _text(chunk):
+                        outcome.chunks += 1
+                        outcome.first = outcome.first or time.perf_counter()
                     if chunk.get("usage"):
                         outcome.tokens = chunk["usage"]["completion_tokens"]
         except httpx.HTTPError as err:  # counted as a failed request, reported in the results
             outcome.error = f"{type(err).__name__}: {err}"
         outcome.end = time.perf_counter()
+        outcome.tokens = outcome.tokens or outcome.chunks
         return outcome
+
+
+def _text(chunk: dict) -> str:
+    choice = chunk["choices"][0]
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
 
 
 async def _watch_metrics(client: httpx.AsyncClient, url: str, peaks: dict, stop: asyncio.Event) -> None:
@@ -107,7 +121,7 @@ async def _watch_metrics(client: httpx.AsyncClient, url: str, peaks: dict, stop:
             pass  # the sampling interval passed; sample again
 
 
-async def run_config(url: str, model: str, prompts: list[list[int]], *, fields: dict, max_tokens: int,
+async def run_config(url: str, model: str, prompts: list[list[int]] | list[str], *, fields: dict, max_tokens: int,
                      concurrency: int, timeout: float) -> tuple[list[Outcome], float, dict]:  # fmt: skip
     """Send every prompt once (greedy, streamed) with `fields`; (outcomes, wall seconds, metric peaks)."""
     base = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
@@ -146,8 +160,9 @@ def summarize(name: str, outcomes: list[Outcome], wall: float, peaks: dict, prom
     return row
 
 
-def run_benchmark(url: str, prompts: list[list[int]], configs: list[dict], *, max_tokens: int, concurrency: int,
-                  timeout: float, model: str | None = None, progress=print) -> list[dict]:  # fmt: skip
+def run_benchmark(url: str, prompts: list[list[int]] | list[str], configs: list[dict], *, max_tokens: int,
+                  concurrency: int, timeout: float, model: str | None = None, prompt_tokens: int | None = None,
+                  progress=print) -> list[dict]:  # fmt: skip
     """Every config in turn on the same server and prompts; one summary row per config."""
     model = model or served_model(url)
     rows = []
@@ -163,7 +178,7 @@ def run_benchmark(url: str, prompts: list[list[int]], configs: list[dict], *, ma
                 timeout=timeout,
             )  # fmt: skip
         )
-        rows.append(summarize(config["name"], outcomes, wall, peaks, len(prompts[0])))
+        rows.append(summarize(config["name"], outcomes, wall, peaks, prompt_tokens or len(prompts[0])))
         progress(_line(rows[-1]))
     return rows
 
@@ -204,6 +219,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--text", default=None, help="prompt text source (default: the offline corpus)")
+    parser.add_argument(
+        "--text-prompts", action="store_true", help="send prompts as text, not token ids (servers that need strings)"
+    )
+    parser.add_argument("--served-model", default=None, help="model id to send (default: the server's first)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed per config (default 3600)")
     parser.add_argument("--out", default="results/serve", help="output directory (default results/serve)")
 
@@ -235,15 +254,19 @@ def _run(args: argparse.Namespace, command: str) -> int:
     chars = args.requests * args.prompt_tokens * 8
     ids = tokenizer(load_corpus(args.text, max_chars=chars), add_special_tokens=False)["input_ids"]
     prompts = make_prompts(ids, args.requests, args.prompt_tokens)
+    if args.text_prompts:
+        prompts = [tokenizer.decode(p) for p in prompts]
     settings = dict(kv_memory=args.kv_memory, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk)
-    run = dict(max_tokens=args.max_tokens, concurrency=args.concurrency or args.requests, timeout=args.timeout)
+    run = dict(max_tokens=args.max_tokens, concurrency=args.concurrency or args.requests, timeout=args.timeout,
+               model=args.served_model)  # fmt: skip
     if args.url:
-        rows = run_benchmark(args.url.rstrip("/"), prompts, configs, **run)
+        rows = run_benchmark(args.url.rstrip("/"), prompts, configs, prompt_tokens=args.prompt_tokens, **run)
     else:
         with launch_server(args.model, **settings) as url:
-            rows = run_benchmark(url, prompts, configs, **run)
-    meta = dict(command=command, environment=environment(), server=settings | {"url": args.url, "model": args.model},
-                requests=args.requests, prompt_tokens=args.prompt_tokens, **run)  # fmt: skip
+            rows = run_benchmark(url, prompts, configs, prompt_tokens=args.prompt_tokens, **run)
+    server = {"url": args.url} if args.url else settings | {"model": args.model}  # another server: its own settings
+    meta = dict(command=command, environment=environment(), server=server, requests=args.requests,
+                prompt_tokens=args.prompt_tokens, **run)  # fmt: skip
     paths = write_results(rows, ratios(rows), meta, args.out)
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0 if all(row["errors"] == 0 for row in rows) else 1

@@ -177,6 +177,7 @@ class Engine:
             self.run()
 
     # -- one iteration -------------------------------------------------------------------------------------
+    @torch.no_grad()
     def step(self) -> bool:
         """Admit, one prefill chunk, one decode step. Returns False when there was nothing to do."""
         with self._lock:

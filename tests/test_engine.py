@@ -161,3 +161,13 @@ def test_bad_requests_are_refused_at_submit(engine, kwargs, message):
     with pytest.raises(ValueError, match=message):
         engine.submit(args.pop("prompt_ids"), **args)
     assert engine.stats()["waiting"] == 0
+
+
+def test_steps_keep_no_autograd_history(engine):
+    request = engine.submit(prompt(12, seed=1), max_tokens=20)
+    engine.step()
+    engine.step()
+    cache = next(iter(engine._groups.values()))[0]
+    assert not any(layer.keys.requires_grad or layer.keys.grad_fn is not None for layer in cache.layers)
+    request.cancel()
+    engine.run()

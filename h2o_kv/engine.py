@@ -57,7 +57,8 @@ class Engine:
         self.context_limit = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
         self._layout = _kv_layout(config, model.dtype)
         self.eos = _eos_ids(model, tokenizer)
-        self._lock = threading.Condition()
+        self._lock = threading.Condition()  # guards the waiting queue (submit never waits for a step)
+        self._state = threading.Lock()  # held by a step while it changes the batches; stats() reads under it
         self._waiting: deque[Request] = deque()  # submitted, not admitted
         self._prefill: deque[tuple[Request, KVCache]] = deque()  # admitted, prompt going in
         self._groups: dict[Policy, tuple[KVCache, list[Request]]] = {}  # decoding, by policy
@@ -76,6 +77,7 @@ class Engine:
         stop: str | list[str] | tuple[str, ...] = (),
         policy: str | Policy | None = None,
         budget: policies.Budget = None,
+        ignore_eos: bool = False,
         on_event=None,
     ) -> Request:
         """Queue a prompt (token ids); raises ValueError at once for anything that cannot be served."""
@@ -104,6 +106,7 @@ class Engine:
             list(prompt_ids), built, max_tokens, sampling, stop, kv_bytes, self._detokenize, on_event=on_event
         )
         request.generator = sampling.generator(self.model.device)
+        request.ignore_eos = bool(ignore_eos)
         with self._lock:
             if self._closing:
                 raise RuntimeError("the engine is shutting down")
@@ -135,7 +138,7 @@ class Engine:
         return self._slots(policy or self.resolve_policy(), prompt_len, max_tokens)[0] * self._layout
 
     def stats(self) -> dict:
-        with self._lock:
+        with self._state, self._lock:
             running = sum(len(rows) for _, rows in self._groups.values())
             return {
                 "running": running + len(self._prefill),
@@ -172,6 +175,8 @@ class Engine:
             self._lock.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"the engine did not finish its requests within {timeout} s")
             self._thread = None
         else:
             self.run()
@@ -180,6 +185,10 @@ class Engine:
     @torch.no_grad()
     def step(self) -> bool:
         """Admit, one prefill chunk, one decode step. Returns False when there was nothing to do."""
+        with self._state:
+            return self._step()
+
+    def _step(self) -> bool:
         with self._lock:
             self._drop_cancelled()
             self._admit()
@@ -261,7 +270,7 @@ class Engine:
 
     def _push(self, request: Request, token: int) -> bool:
         self.generated_tokens += 1
-        if request.push(token, token in self.eos):
+        if request.push(token, token in self.eos and not request.ignore_eos):
             self.finished_requests += 1
             return True
         return False

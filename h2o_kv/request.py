@@ -59,6 +59,7 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     generator: torch.Generator | None = None
+    ignore_eos: bool = False  # benchmarks: generate exactly max_tokens
     cache_stats: dict = field(default_factory=dict)  # kept/seen tokens and KV bytes at the end
     _text: str = ""  # text emitted so far
     _cancelled: threading.Event = field(default_factory=threading.Event)

@@ -171,3 +171,13 @@ def test_steps_keep_no_autograd_history(engine):
     assert not any(layer.keys.requires_grad or layer.keys.grad_fn is not None for layer in cache.layers)
     request.cancel()
     engine.run()
+
+
+def test_ignore_eos_generates_exactly_max_tokens():
+    engine = Engine(make_model("llama"), make_tokenizer())
+    ids = prompt(12, seed=4)  # the tiny model ends this one with EOS after a few tokens
+    stopped = engine.generate(ids, max_tokens=20, policy="full")
+    assert stopped.finish_reason == "stop" and stopped.completion_tokens < 20
+    forced = engine.generate(ids, max_tokens=20, policy="full", ignore_eos=True)
+    assert forced.finish_reason == "length" and forced.completion_tokens == 20
+    assert forced.token_ids[: stopped.completion_tokens] == stopped.token_ids

@@ -40,6 +40,9 @@ def attend(
     the group's heads [B, H, S]. Queries go in blocks so no [n x S] matrix is materialised.
     """
     batch, q_heads, n, dim = q.shape
+    if n == 1 and window is None and not has_padding:
+        return attend_one(q, keys, values, pos, scaling=scaling, softcap=softcap, want_scores=want_scores,
+                          want_last=want_last)  # fmt: skip
     kv_heads, slots = keys.shape[1], keys.shape[2]
     group = q_heads // kv_heads
     q = (q * scaling).view(batch, kv_heads, group, n, dim)
@@ -96,3 +99,41 @@ def attend(
             last[..., :width] = probs_last.mean(dim=2)
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
     return out.transpose(1, 2).contiguous(), scores, last
+
+
+def attend_one(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    pos: torch.Tensor,
+    *,
+    scaling: float,
+    softcap: float | None = None,
+    want_scores: bool = False,
+    want_last: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`attend` for one query per sequence that sees every kept token (a decode step): few kernels.
+
+    Same results as the blocked path: the query's scaled logits over all slots, empty slots masked,
+    one fused softmax in float32, the output, and the group's probabilities summed (scores) or
+    averaged (last) per slot. The output [B, 1, Hq, D] needs no transpose since n = 1.
+    """
+    batch, q_heads, _, dim = q.shape
+    kv_heads, slots = keys.shape[1], keys.shape[2]
+    group = q_heads // kv_heads
+    flat_keys = keys.reshape(batch * kv_heads, slots, dim)
+    logits = torch.baddbmm(  # beta=0: the first argument only gives the shape
+        q.new_empty(()).expand(batch * kv_heads, group, slots),
+        q.reshape(batch * kv_heads, group, dim),
+        flat_keys.mT,
+        beta=0.0,
+        alpha=scaling,
+    ).view(batch, kv_heads, group, slots)
+    if softcap is not None:
+        logits = torch.tanh(logits.float() / softcap) * softcap
+    logits.masked_fill_(pos[:, :, None] < 0, float("-inf"))
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [B, H, G, S]
+    out = torch.matmul(probs.to(values.dtype), values)  # [B, H, G, D]
+    scores = probs.sum(dim=2) if want_scores else None
+    last = probs.mean(dim=2) if want_last else None
+    return out.view(batch, 1, q_heads, values.shape[-1]), scores, last

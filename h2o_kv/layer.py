@@ -292,7 +292,7 @@ class KVLayer(CacheLayerMixin):
         batch, heads, n, dim = keys.shape
         if self.settings.mode == "drop" and n == 1:
             self._reserve(self.kept_bound + 1)
-            slots = (self.pos < 0).to(torch.uint8).argmax(-1, keepdim=True)
+            slots = self.pos.argmin(-1, keepdim=True)  # the first empty slot (pos -1); _reserve left one
             first, self.used = None, self.keys.shape[2]  # the free slot may be anywhere
         else:
             first = self.used
@@ -341,13 +341,9 @@ class KVLayer(CacheLayerMixin):
         priority = self.settings.policy.priority(state).masked_fill(~valid, float("inf"))
         if added == 1:  # decoding: every head was within capacity, so at most one token to drop
             lowest = priority.amin(-1, keepdim=True)
-            oldest = torch.where(priority == lowest, self.pos, torch.iinfo(torch.int64).max)
-            victim = oldest.argmin(-1, keepdim=True)  # [B, H, 1]
-            drop = (excess > 0).unsqueeze(-1)
-            self.pos.scatter_(2, victim, torch.where(drop, -1, self.pos.gather(2, victim)))
-            self.score.scatter_(2, victim, torch.where(drop, 0.0, self.score.gather(2, victim)))
-            if self.last is not None:
-                self.last.scatter_(2, victim, torch.where(drop, 0.0, self.last.gather(2, victim)))
+            oldest = self.pos.masked_fill(priority != lowest, torch.iinfo(torch.int64).max)
+            victim = oldest.argmin(-1, keepdim=True)  # [B, H, 1]: the oldest of the lowest
+            self._free(torch.zeros_like(valid).scatter_(2, victim, (excess > 0).unsqueeze(-1)))
             self.kept_bound = min(self.kept_bound, self.max_capacity)
             return
         # a prompt or chunk: rank by (priority, position) and drop the `excess` lowest

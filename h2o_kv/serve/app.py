@@ -168,7 +168,7 @@ def create_app(engine, model_name: str, *, tokenizer=None, manage_engine: bool =
         try:
             req = engine.submit(
                 ids, max_tokens=job.max_tokens, sampling=sampling, stop=stop, policy=job.policy, budget=job.budget,
-                on_event=events.put,
+                ignore_eos=body.ignore_eos, on_event=events.put,
             )  # fmt: skip
         except ValueError as err:
             raise submit_error(err, prompt_param="messages" if chat else "prompt") from None

@@ -54,7 +54,7 @@ def parse_configs(text: str) -> list[dict]:
         name, _, budget_text = item.partition(":")
         budget = policies.parse_budget(budget_text) if budget_text else None
         policies.build(name, budget)
-        fields = {"kv_policy": name} | ({} if budget is None else {"kv_budget": budget_text})
+        fields = {"kv_policy": name, "ignore_eos": True} | ({} if budget is None else {"kv_budget": budget_text})
         configs.append({"name": item, "fields": fields})
     if not configs:
         raise ValueError("--configs is empty: give e.g. h2o:0.2,full")

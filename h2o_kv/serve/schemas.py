@@ -39,6 +39,7 @@ class _Request(BaseModel):
     user: str | None = None
     kv_policy: str | None = Field(None, description="h2o, local, streamingllm, tova or full (h2o-kv extension)")
     kv_budget: str | float | int | None = Field(None, description="tokens (64) or a prompt fraction (0.2 or '20%')")
+    ignore_eos: StrictBool = False  # generate exactly max_tokens (benchmarks; as vLLM's extension)
 
     @field_validator("n")
     @classmethod

@@ -204,10 +204,11 @@ def cmd_setup(args: argparse.Namespace) -> int:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors: `h2o-kv generate: error: ...`, exit code 2, no usage dump."""
+    """argparse whose errors reach `main` as a ValueError: one line, exit code 2, no usage dump."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        command = self.prog.removeprefix("h2o-kv").strip()
+        raise ValueError(f"{command}: {message}" if command else message)
 
 
 def _budget(text: str) -> int | float:

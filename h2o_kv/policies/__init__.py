@@ -63,7 +63,7 @@ def parse_budget(text: str) -> int | float:
     try:
         if s.endswith("%"):
             budget: int | float = float(s[:-1]) / 100
-        elif s.lstrip("+").isdigit():
+        elif s.lstrip("+-").isdigit():
             budget = int(s)
         else:
             budget = float(s)

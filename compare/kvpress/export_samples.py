@@ -12,10 +12,11 @@ ids in one call, question and answer prefix included), the gold answers with the
 at each fraction (``budget_tokens(f, context_tokens)``, per sequence and KV head).
 
 Samples are the ones h2o-kv's study builds: `make_dataset` with the seed scheme of the retrieval
-runner (task k of ``retrieval.TASKS`` gets ``seed + 1000 * k``) and needle depths ``(i + 0.5) / n``.
+runner (`retrieval.make_samples`: task k of ``ruler.TASKS`` gets ``seed + 1000 * k``) and needle
+depths ``(i + 0.5) / n``.
 
 ``--check RESULTS.json`` instead re-scores the predictions cached by run_kvpress.py with h2o-kv's own
-`h2o_kv.eval.retrieval.score` and fails if any score differs from the one run_kvpress.py recorded.
+`h2o_kv.eval.ruler.score` and fails if any score differs from the one run_kvpress.py recorded.
 """
 
 from __future__ import annotations
@@ -27,15 +28,7 @@ from pathlib import Path
 
 from h2o_kv import load_model
 from h2o_kv.data import load_corpus
-from h2o_kv.eval.retrieval import (
-    METRIC_FOR_TASK,
-    TASKS,
-    Sample,
-    hf_tokenizer_len,
-    make_dataset,
-    max_new_tokens,
-    score,
-)
+from h2o_kv.eval.ruler import TASKS, Sample, hf_tokenizer_len, make_dataset, max_new_tokens, score
 from h2o_kv.models import BUNDLED_NAME, cache_dir
 from h2o_kv.policies import budget_tokens
 
@@ -79,7 +72,7 @@ def export(args: argparse.Namespace) -> None:
                     "prompt": s.prompt,
                     "input_ids": ids,
                     "answers": s.answers,
-                    "metric": METRIC_FOR_TASK[task],
+                    "metric": "string_match_all",  # ruler.score's metric for every synthetic task
                     "max_new_tokens": new,
                     "h2o_kv_budget_tokens": {str(b): budget_tokens(b, context) for b in budgets},
                     "seed": s.metadata["seed"],
@@ -107,7 +100,7 @@ def check(results_path: str, samples_path: str) -> None:
             if abs(score(samples[sid], rec["prediction"]) - rec["score"]) > 1e-9:
                 bad += 1
                 print(f"mismatch {cell['press']} {cell['ratio']} {sid}: {rec['score']}", file=sys.stderr)
-    print(f"re-scored {total} predictions with h2o_kv.eval.retrieval.score: {bad} mismatches")
+    print(f"re-scored {total} predictions with h2o_kv.eval.ruler.score: {bad} mismatches")
     if bad:
         sys.exit(1)
 

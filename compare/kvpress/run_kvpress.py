@@ -28,7 +28,10 @@ AdaKV only masks evicted entries (kvpress simulates head-wise budgets), so its t
 token: its bytes are the Full cache's; ``kv_tokens_effective`` counts the unmasked tokens per head.
 
 Results are cached per (press, ratio, task, context) cell in ``OUT/results.json`` after every sample, so
-an interrupted run resumes where it stopped. ``--summarize`` only rewrites the tables from that file.
+an interrupted run resumes where it stopped. Samples run task by task (``--task-order``), the two
+context lengths interleaved and needle depths spread early, so a partial run is balanced. Decoding stops
+once every answer string is in the output (string match can only stay at 1.0 after that), otherwise at
+EOS or ``max_new_tokens``. ``--summarize`` only rewrites the tables from that file.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ EAGER = {"observed_attention"}
 
 
 # ----------------------------------------------------------------------------------------- scoring
-# h2o_kv.eval.retrieval.score, copied (RULER's postprocess + string_match_all / string_match_part);
+# h2o_kv.eval.ruler.score, copied (RULER's postprocess + string_match_all / string_match_part);
 # export_samples.py --check re-scores every cached prediction with the original to prove they agree.
 
 
@@ -112,10 +115,13 @@ def set_masks(model, masks: list | None) -> None:
 
 
 @torch.no_grad()
-def decode(model, cache, first_logits: torch.Tensor, n_prompt: int, max_new: int, eos: set[int]) -> list[int]:
-    """Greedy tokens from the prefill's last logits, positions continuing after the prompt (as kvpress)."""
+def decode(model, cache, first_logits: torch.Tensor, n_prompt: int, max_new: int, eos: set[int], done=None) -> list:
+    """Greedy tokens from the prefill's last logits, positions continuing after the prompt (as kvpress).
+
+    `done(tokens)` may stop early once the score cannot change any more (every answer already found).
+    """
     out = [int(first_logits.argmax())]
-    while len(out) < max_new and out[-1] not in eos:
+    while len(out) < max_new and out[-1] not in eos and not (done and done(out)):
         pos = torch.tensor([[n_prompt + len(out) - 1]])
         logits = model(input_ids=torch.tensor([[out[-1]]]), past_key_values=cache, position_ids=pos).logits
         out.append(int(logits[0, -1].argmax()))
@@ -205,7 +211,8 @@ def run_sample(models: dict, rec: dict, todo: list[tuple[str, float | None]], mo
         stats = kv_stats(cache, masks)
         set_masks(model, masks)
         t0 = time.perf_counter()
-        tokens = decode(model, cache, logits, n, new, eos)
+        answered = lambda toks: score(models["tokenizer_decode"](toks), rec["answers"], rec["metric"]) == 1.0  # noqa: E731
+        tokens = decode(model, cache, logits, n, new, eos, answered)
         set_masks(model, None)
         text = models["tokenizer_decode"](tokens)
         results[cfg] = {
@@ -241,6 +248,9 @@ def run_sample(models: dict, rec: dict, todo: list[tuple[str, float | None]], mo
 
 def load_models(model_dir: str, need_eager: bool) -> dict:
     from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     models = {"tokenizer_decode": lambda t: tok.decode(t, skip_special_tokens=True)}
@@ -261,6 +271,9 @@ def main() -> None:
     p.add_argument("--presses", default=",".join(PRESSES))
     p.add_argument("--ratios", default="0.8,0.9", help="kvpress compression ratios (0.8 keeps 20 %%)")
     p.add_argument("--limit", type=int, default=0, help="first N samples per (task, context) only (0: all)")
+    p.add_argument(
+        "--task-order", default="niah_single,passkey,variable_tracking", help="which task's samples run first"
+    )
     p.add_argument("--mode", choices=("shared", "standard"), default="shared")
     p.add_argument("--validate", type=int, default=0, help="compare shared vs standard on N samples, then stop")
     p.add_argument("--summarize", action="store_true", help="only rewrite the tables from OUT/results.json")
@@ -291,7 +304,8 @@ def main() -> None:
         key = (r["task"], r["context_tokens"])
         index[key] = index.get(key, 0) + 1
         ranked.append((int(f"{index[key] - 1:08b}"[::-1], 2), r))
-    records = [r for _, r in sorted(ranked, key=lambda x: x[0])]
+    order = {t: i for i, t in enumerate(args.task_order.split(","))}
+    records = [r for _, r in sorted(ranked, key=lambda x: (order.get(x[1]["task"], len(order)), x[0]))]
     from summary import write_summary
 
     if args.summarize:

@@ -15,6 +15,8 @@ from h2o_kv.policies import parse_budget
 from h2o_kv.report import missing_extra
 
 from .config import EXTRA_POLICIES, POLICIES, SIZES
+from .soak import add_soak_arguments
+from .soak import main as soak_main
 
 DESCRIPTION = (
     "Throughput and memory: the stock model (SDPA with DynamicCache and with StaticCache) against "
@@ -24,6 +26,7 @@ EPILOG = """examples:
   h2o-kv bench --size small                  # CI-sized: 256/1024 tokens, batch 1/2, 32 new tokens
   h2o-kv bench --size large --threads 0,1    # 1024/4096 tokens, batch 1/4, default threads and one thread
   h2o-kv bench --budget 256 --dtype bfloat16 # 256 tokens per head (an int is tokens, 0.2 is 20 %)
+  h2o-kv bench --soak 10000 --prompt-lens 512 # one H2O cache, 10,000 steps: flat nbytes and RSS
 """
 
 
@@ -89,9 +92,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="KV-cache memory cap for the same-memory run (default: the stock caches' KV at the largest batch)",
     )
-    add("--out", default="results/bench", help="output directory (default results/bench)")
+    add("--out", default=None, help="output directory (default results/bench; results/soak with --soak)")
     add("--profile", action="store_true", help="also write torch.profiler tables of an H2O prefill and decode step")
     add("--no-progress", action="store_true", help="no progress bar")  # fmt: skip
+    add_soak_arguments(parser)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -114,6 +118,9 @@ def main(args: argparse.Namespace) -> int:
     if missing:
         print(missing, file=sys.stderr)
         return 2
+    if args.soak is not None:
+        return soak_main(args)
+    out = args.out or "results/bench"
     from h2o_kv.models import load_model
 
     from .bars import check_bars, format_bars, summary_table
@@ -136,17 +143,17 @@ def main(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         **sizes,
     )
-    paths = write_results(rows, args.out)
+    paths = write_results(rows, out)
     if args.profile:
         token_ids = tokenizer(load_text(), add_special_tokens=False)["input_ids"]
         largest = dict(prompt_len=max(sizes["prompt_lens"]), batch=max(sizes["batch_sizes"]))
         if args.threads[0]:
             torch.set_num_threads(args.threads[0])
-        paths |= profile_h2o(model, token_ids, budget=args.budget, out_dir=Path(args.out), **largest)
+        paths |= profile_h2o(model, token_ids, budget=args.budget, out_dir=Path(out), **largest)
     print(summary_table(rows))
     print(format_bars(check_bars(rows)))
     files = ", ".join(sorted(p.name for p in paths.values()))
-    print(f"bench: {time.perf_counter() - started:.0f} s; wrote {files} to {args.out}")
+    print(f"bench: {time.perf_counter() - started:.0f} s; wrote {files} to {out}")
     return 0
 
 

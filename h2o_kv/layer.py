@@ -215,7 +215,7 @@ class KVLayer(CacheLayerMixin):
         self.pending = None
         batch, n = query.shape[0], query.shape[2]
         real, has_padding = self.settings.padding.real_tokens(attention_mask, batch, n, query.device)
-        real_before = real.cumsum(1)  # real tokens up to and including each column
+        real_before = real.cumsum(1) if n > 1 else real.long()  # real tokens up to and including each column
         if has_padding and bool(((real_before + self.next_pos.view(batch, 1) > 0) & ~real).any()):
             raise ValueError(
                 "padding after a real token (right padding): h2o-kv needs batches padded on the left "
@@ -223,9 +223,13 @@ class KVLayer(CacheLayerMixin):
             )
         if n == 1 and self.prompt_len is not None:
             self.decoded = True
-        qpos = torch.where(real, self.next_pos.view(batch, 1) + real_before - 1, -1)
-        first_pos = self.next_pos.view(batch)
-        self.next_pos = self.next_pos + real.sum(1).view(batch, 1, 1)
+        if n == 1 and not has_padding:  # decoding: each row's token takes its next position
+            qpos, first_pos, real_before = self.next_pos.view(batch, 1), self.next_pos.view(batch), None
+            self.next_pos = self.next_pos + 1
+        else:
+            qpos = torch.where(real, self.next_pos.view(batch, 1) + real_before - 1, -1)
+            first_pos = self.next_pos.view(batch)
+            self.next_pos = self.next_pos + real.sum(1).view(batch, 1, 1)
         self.seen += n
         if self.prompt_len is None:
             hint = self.settings.prompt_len
@@ -257,7 +261,9 @@ class KVLayer(CacheLayerMixin):
                 self._add_scores(scores, stop - start, pool=policy.score_pool if observed else 1)
             if last is not None:
                 self.last = last
-            self._evict(first_pos + real_before[:, stop - 1], window, stop - start)
+            self._evict(
+                self.next_pos if real_before is None else first_pos + real_before[:, stop - 1], window, stop - start
+            )
             outputs.append(out)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
@@ -338,7 +344,7 @@ class KVLayer(CacheLayerMixin):
         valid = self.pos >= 0
         excess = valid.sum(-1) - self.capacity  # [B, H]
         state = SlotState(self.pos, self.score, self.last, next_pos, self.prompt_len)
-        priority = self.settings.policy.priority(state).masked_fill(~valid, float("inf"))
+        priority = torch.where(valid, self.settings.policy.priority(state), float("inf"))
         if added == 1:  # decoding: every head was within capacity, so at most one token to drop
             lowest = priority.amin(-1, keepdim=True)
             oldest = self.pos.masked_fill(priority != lowest, torch.iinfo(torch.int64).max)

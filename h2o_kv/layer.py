@@ -266,7 +266,7 @@ class KVLayer(CacheLayerMixin):
                 value_scale=self.value_scale,
             )
             if scores is not None:
-                self._add_scores(scores, stop - start, pool=policy.score_pool if observed else 1)
+                self._add_scores(scores, stop - start, observed=observed is not None, new_from=new_from)
             if last is not None:
                 self.last = last
             self._evict(
@@ -275,17 +275,21 @@ class KVLayer(CacheLayerMixin):
             outputs.append(out)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
-    def _add_scores(self, scores: torch.Tensor, queries: int, pool: int) -> None:
-        """Accumulate a call's attention into the scores: decayed old scores, pooled new ones."""
-        decay = self.settings.policy.decay
-        if decay != 1.0:
-            self.score.mul_(decay**queries)
+    def _add_scores(self, scores: torch.Tensor, queries: int, observed: bool, new_from: int | None) -> None:
+        """Accumulate a call's attention into the scores: decayed old scores; an observed (multi-token)
+        call's scores pooled over neighbours and, if the policy says so, shared by the layer's heads."""
+        policy = self.settings.policy
+        if policy.decay != 1.0:
+            self.score.mul_(policy.decay**queries)
         width = scores.shape[-1]
+        pool = policy.score_pool if observed else 1
         if pool > 1:  # max over `pool` neighbouring kept tokens, in position order
             order = torch.sort(self.pos[..., :width], dim=-1, stable=True).indices
             ranked = scores.gather(-1, order).flatten(0, 1).unsqueeze(1)
             pooled = torch.nn.functional.max_pool1d(ranked, pool, stride=1, padding=pool // 2)
             scores = torch.empty_like(scores).scatter_(-1, order, pooled.view_as(scores))
+        if observed and policy.score_shared and new_from is not None:  # the call's tokens: one ranking per layer
+            scores[..., new_from:] = scores[..., new_from:].amax(1, keepdim=True)
         self.score[..., :width] += scores
 
     def _fix_budget(self, prompt_len: torch.Tensor) -> None:

@@ -60,7 +60,9 @@ def reference_layer(
     observe, pool, decay = params.get("observe"), params.get("pool", 1), params.get("decay", 1.0)
     for size in chunks:
         new = range(start, start + size)
-        scoring = [t for t in new if size == 1 or observe is None or t > new[-1] - observe]
+        observed = size > 1 and observe is not None
+        scoring = [t for t in new if not observed or t > new[-1] - observe]
+        pooled: list[dict[int, float]] = []
         for h in range(kv_heads):
             for tok in kept[h]:
                 tok.score *= decay**size
@@ -84,10 +86,21 @@ def reference_layer(
                         if t == new[-1]:
                             tok.last += p / group
             in_order = sorted(kept[h], key=lambda tok: tok.pos)
-            reach = pool // 2 if size > 1 and observe is not None else 0  # max over neighbours among kept tokens
-            for i, tok in enumerate(in_order):
-                near = in_order[max(0, i - reach) : i + reach + 1]
-                tok.score += max(gained[other.pos] for other in near)
+            reach = pool // 2 if observed else 0  # max over neighbours among kept tokens
+            pooled.append(
+                {
+                    tok.pos: max(gained[other.pos] for other in in_order[max(0, i - reach) : i + reach + 1])
+                    for i, tok in enumerate(in_order)
+                }
+            )
+        if observed and params.get("shared"):  # the call's new tokens: the max over the layer's KV heads
+            for t in new:
+                best = max(head[t] for head in pooled)
+                for head in pooled:
+                    head[t] = best
+        for h in range(kv_heads):
+            for tok in kept[h]:
+                tok.score += pooled[h][tok.pos]
             if window is not None:
                 kept[h] = [tok for tok in kept[h] if tok.pos > new[-1] + 1 - window]
             while len(kept[h]) > capacity:

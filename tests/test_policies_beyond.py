@@ -16,6 +16,8 @@ from reference import reference_layer
 POLICIES = {
     "snapkv": (SnapKV(budget=6, window=4, pool=3), "snapkv", 6, {"recent": 3, "observe": 4, "pool": 3}),
     "snapkv_wide_window": (SnapKV(budget=6, window=2, pool=5), "snapkv", 6, {"recent": 2, "observe": 2, "pool": 5}),
+    "snapkv_shared": (SnapKV(budget=6, window=4, pool=3, shared=True), "snapkv", 6,
+                      {"recent": 3, "observe": 4, "pool": 3, "shared": True}),
     "h2o_decay": (h2o_kv.H2O(heavy=3, recent=2, decay=0.8), "h2o", 5, {"recent": 2, "decay": 0.8}),
     "h2o_normalize": (h2o_kv.H2O(heavy=3, recent=2, normalize=True), "h2o", 5, {"recent": 2, "normalize": True}),
     "sinks_h2o": (Sinks(h2o_kv.H2O(heavy=3, recent=2), sinks=2), "h2o", 5, {"recent": 2, "protect": 2}),

@@ -36,6 +36,7 @@ class Policy:
     score_window: ClassVar[int | None] = None  # a multi-token call scores with its last `score_window` queries only
     score_pool: ClassVar[int] = 1  # ... max-pooled over that many neighbouring kept tokens (by position)
     decay: ClassVar[float] = 1.0  # kept scores are multiplied by decay**n before a call of n queries adds to them
+    score_shared: ClassVar[bool] = False  # ... and shared by a layer's KV heads: each token gets the heads' max
 
     def capacity(self, prompt_len: torch.Tensor) -> torch.Tensor | None:
         """Most tokens kept per (sequence, KV head), one value per sequence; None means unbounded."""

@@ -29,6 +29,7 @@ class Sinks(Policy):
     score_window = property(lambda self: self.inner.score_window)  # type: ignore[assignment]
     score_pool = property(lambda self: self.inner.score_pool)  # type: ignore[assignment]
     decay = property(lambda self: self.inner.decay)  # type: ignore[assignment]
+    score_shared = property(lambda self: self.inner.score_shared)  # type: ignore[assignment]
 
     def capacity(self, prompt_len: torch.Tensor) -> torch.Tensor | None:
         return self.inner.capacity(prompt_len)

@@ -27,12 +27,15 @@ class SnapKV(Policy):
     budget: int | float
     window: int = 32
     pool: int = 7
+    shared: bool = False  # heads of a layer rank a prompt together (max over heads), so all keep what any needs
     needs_scores = True
 
     def __post_init__(self) -> None:
         check_size("budget", self.budget)
         check_budget("window", self.window)
         check_budget("pool", self.pool)
+        if not isinstance(self.shared, bool):
+            raise TypeError(f"shared must be a bool, got {self.shared!r}")
         if self.pool % 2 == 0:
             raise ValueError(f"pool must be odd (a window centred on each token), got {self.pool}")
 
@@ -43,6 +46,10 @@ class SnapKV(Policy):
     @property
     def score_pool(self) -> int:  # type: ignore[override]
         return self.pool
+
+    @property
+    def score_shared(self) -> bool:  # type: ignore[override]
+        return self.shared
 
     def split(self, prompt_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         total = tokens_of(self.budget, prompt_len)
@@ -57,4 +64,5 @@ class SnapKV(Policy):
         return state.score.masked_fill(state.pos >= state.next_pos - recent, float("inf"))
 
     def describe(self) -> str:
-        return f"SnapKV(budget={self.budget:g}, window={self.window}, pool={self.pool})"
+        shared = ", shared" if self.shared else ""
+        return f"SnapKV(budget={self.budget:g}, window={self.window}, pool={self.pool}{shared})"

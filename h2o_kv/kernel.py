@@ -131,19 +131,22 @@ def attend_one(
     batch, q_heads, _, dim = q.shape
     kv_heads, slots = keys.shape[1], keys.shape[2]
     group = q_heads // kv_heads
-    flat_keys = keys.reshape(batch * kv_heads, slots, dim).to(q.dtype)
-    logits = torch.baddbmm(  # beta=0: the first argument only gives the shape
-        q.new_empty(()).expand(batch * kv_heads, group, slots),
+    hidden = pos < 0  # empty slots
+    bias = torch.where(hidden, float("-inf"), 0.0) if softcap is None else None  # [B, H, S] float32
+    fused = bias is not None and key_scale is None  # the mask rides in the matmul: one pass less over the logits
+    logits = torch.baddbmm(
+        (bias.to(q.dtype).view(-1, 1, slots) if fused else q.new_zeros(1, 1, 1)).expand(batch * kv_heads, group, slots),
         q.reshape(batch * kv_heads, group, dim),
-        flat_keys.mT,
-        beta=0.0,
+        keys.reshape(batch * kv_heads, slots, dim).to(q.dtype).mT,
+        beta=1.0 if fused else 0.0,
         alpha=scaling,
     ).view(batch, kv_heads, group, slots)
-    if key_scale is not None:
-        logits = logits.float() * key_scale[:, :, None]
+    if key_scale is not None:  # int8 keys: q.k_j = s_j (q.k8_j), and the mask added in the same kernel
+        scale = key_scale[:, :, None]
+        logits = logits.float() * scale if bias is None else torch.addcmul(bias[:, :, None], logits.float(), scale)
     if softcap is not None:
         logits = torch.tanh(logits.float() / softcap) * softcap
-    logits.masked_fill_(pos[:, :, None] < 0, float("-inf"))
+        logits.masked_fill_(hidden[:, :, None], float("-inf"))
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [B, H, G, S]
     weights = probs if value_scale is None else probs * value_scale[:, :, None]
     out = torch.matmul(weights.to(q.dtype), values.to(q.dtype))  # [B, H, G, D]

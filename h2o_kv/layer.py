@@ -290,7 +290,7 @@ class KVLayer(CacheLayerMixin):
             scores = torch.empty_like(scores).scatter_(-1, order, pooled.view_as(scores))
         if observed and policy.score_shared and new_from is not None:  # the call's tokens: one ranking per layer
             scores[..., new_from:] = scores[..., new_from:].amax(1, keepdim=True)
-        self.score[..., :width] += scores
+        (self.score if width == self.score.shape[-1] else self.score[..., :width]).add_(scores)
 
     def _fix_budget(self, prompt_len: torch.Tensor) -> None:
         self.prompt_len = prompt_len.view(-1, 1, 1)
@@ -319,7 +319,10 @@ class KVLayer(CacheLayerMixin):
             self.used = first + n
         self.kept_bound += n
         if self.key_scale is not None:  # int8 storage: quantize on the way in
-            (keys, key_scale), (values, value_scale) = quantize(keys), quantize(values)
+            if keys.shape == values.shape:  # one quantize call for both (a decode step is kernel-bound)
+                (keys, values), (key_scale, value_scale) = quantize(torch.stack((keys, values)))
+            else:
+                (keys, key_scale), (values, value_scale) = quantize(keys), quantize(values)
             self.key_scale.scatter_(2, slots, key_scale)
             self.value_scale.scatter_(2, slots, value_scale)
         self.keys.scatter_(2, slots[..., None].expand(-1, -1, -1, dim), keys)
@@ -364,9 +367,14 @@ class KVLayer(CacheLayerMixin):
         priority = torch.where(valid, self.settings.policy.priority(state), float("inf"))
         if added == 1:  # decoding: every head was within capacity, so at most one token to drop
             lowest = priority.amin(-1, keepdim=True)
-            oldest = self.pos.masked_fill(priority != lowest, torch.iinfo(torch.int64).max)
+            oldest = torch.where(priority == lowest, self.pos, torch.iinfo(torch.int64).max)
             victim = oldest.argmin(-1, keepdim=True)  # [B, H, 1]: the oldest of the lowest
-            self._free(torch.zeros_like(valid).scatter_(2, victim, (excess > 0).unsqueeze(-1)))
+            drop = (excess > 0).unsqueeze(-1)  # [B, H, 1]; gather/scatter of one slot beats a [B, H, S] mask
+            for name, empty in (("pos", -1), ("score", 0.0), ("last", 0.0)):
+                if getattr(self, name) is not None:
+                    getattr(self, name).scatter_(
+                        2, victim, getattr(self, name).gather(2, victim).masked_fill_(drop, empty)
+                    )
             self.kept_bound = min(self.kept_bound, self.max_capacity)
             return
         # a prompt or chunk: rank by (priority, position) and drop the `excess` lowest

@@ -22,9 +22,10 @@ def check_kv_dtype(kv_dtype: object) -> None:
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per vector of the last dim: x [..., D] -> (int8 [..., D], float32 scale [...])."""
-    scale = x.abs().amax(dim=-1).float().div_(INT8_MAX).clamp_min_(torch.finfo(torch.float32).tiny)
-    q = torch.round(x.float() / scale.unsqueeze(-1)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return q, scale
+    x = x.float()
+    scale = x.abs().amax(dim=-1, keepdim=True).div_(INT8_MAX).clamp_min_(torch.finfo(torch.float32).tiny)
+    q = x.div(scale).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale.squeeze(-1)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

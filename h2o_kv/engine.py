@@ -36,7 +36,7 @@ class Engine:
         model,
         tokenizer,
         *,
-        policy: str = "h2o",
+        policy: str = "snapkv",
         budget: policies.Budget = 0.2,
         kv_memory: int | None = None,
         max_batch: int = 16,

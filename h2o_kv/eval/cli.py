@@ -43,7 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=",".join(map(str, DEFAULT_BUDGETS)),
         help="fractions of the length (0.05,0.1,0.2,0.5) or token counts (64,128,256)",
     )
-    add("--size", default="small", choices=sorted(SIZES), help="small: minutes on a CPU; large: the fuller protocol")
+    add(
+        "--size",
+        default="small",
+        choices=sorted(SIZES),
+        help="small: minutes on a CPU; large: the fuller protocol; niah: needle retrieval, 20 samples per context",
+    )
     add("--mode", default="drop", choices=["drop", "mask"], help="drop frees evicted tokens (faster, same numbers)")
     add("--corpus", default=None, help="text file, directory of *.txt or HF dataset name[:config][:split]")
     add("--data", default=None, help="JSONL with fields document and summary (for --tasks summarize)")

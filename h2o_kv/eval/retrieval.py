@@ -17,7 +17,7 @@ from h2o_kv.policies import Budget
 
 from .decoding import greedy_generate
 from .fidelity import encode
-from .ruler import Sample, hf_tokenizer_len, make_dataset, max_new_tokens, score
+from .ruler import TASKS, Sample, hf_tokenizer_len, make_dataset, max_new_tokens, score
 
 
 def make_samples(
@@ -33,11 +33,12 @@ def make_samples(
     depths = [(i + 0.5) / n for i in range(n)]
     tok_len = hf_tokenizer_len(tokenizer)
     samples: list[Sample] = []
-    for k, task in enumerate(tasks):
+    for task in tasks:  # a task's samples do not depend on which other tasks run (kvpress gets the same ones)
         depth = depths if task in ("passkey", "niah_single", "niah_multikey") else None
         samples += make_dataset(
-            task, n, context_tokens, tokenizer_len=tok_len, haystack=haystack, seed=seed + 1000 * k, depth=depth
-        )
+            task, n, context_tokens, tokenizer_len=tok_len, haystack=haystack, seed=seed + 1000 * TASKS.index(task),
+            depth=depth,
+        )  # fmt: skip
     return samples
 
 

@@ -80,4 +80,12 @@ SIZES: dict[str, Size] = {
         FidelitySize(prompts=16, passage_tokens=1024, new_tokens=128),
         SummarizeSize(records=100, new_tokens=64, document_tokens=2048),
     ),
+    # Needle retrieval with enough samples to separate policies (issue 8's side-by-side with kvpress):
+    # 20 samples per context with needle depths spread over (0, 1), whole-prompt and streamed prefill.
+    "niah": Size(
+        PerplexitySize(windows=4, length=1024, chunk=1),
+        RetrievalSize(("niah_single",), (1024, 2048), samples=20, prefills=("oneshot",), chunk=16, answer_cap=16),
+        FidelitySize(prompts=6, passage_tokens=320, new_tokens=64),
+        SummarizeSize(records=8, new_tokens=64, document_tokens=768),
+    ),
 }  # fmt: skip

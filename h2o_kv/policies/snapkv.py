@@ -26,7 +26,7 @@ class SnapKV(Policy):
 
     budget: int | float
     window: int = 32
-    pool: int = 7
+    pool: int = 31  # wide: the needle's key words draw the attention, its value sits a few tokens on
     shared: bool = False  # heads of a layer rank a prompt together (max over heads), so all keep what any needs
     needs_scores = True
 

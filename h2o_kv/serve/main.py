@@ -85,13 +85,16 @@ def add_parser(sub) -> None:
     serve.add_argument("--model", default="smollm2-135m", help="bundled name, HF id, local dir or .gguf file")
     serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: from --model)")
     serve.add_argument("--device", default="cpu")
-    serve.add_argument("--policy", default="h2o", choices=policies.NAMES, help="default KV policy (default h2o)")
+    serve.add_argument("--policy", default="snapkv", choices=policies.NAMES, help="default KV policy (default snapkv)")
     serve.add_argument(
-        "--budget", default="0.2", help="default KV budget: tokens (64) or a prompt fraction (0.2, 20%%); default 0.2"
+        "--budget",
+        default="512",
+        help="default KV budget: tokens (64) or a prompt fraction (0.2, 20%%); default 512 tokens per sequence and "
+        "KV head (short chats keep everything; a fraction of a 40-token chat would keep 8)",
     )
     serve.add_argument("--sinks", type=int, default=4, help="StreamingLLM sink tokens")
     serve.add_argument(
-        "--kv-memory", default=None, help="bytes the KV cache may use, e.g. 512MiB, 2GB (default: unlimited)"
+        "--kv-memory", default="1GiB", help="bytes the KV cache may use, e.g. 512MiB, 2GB (default 1GiB)"
     )
     serve.add_argument("--max-batch", type=int, default=16, help="most sequences decoding together (default 16)")
     serve.add_argument(

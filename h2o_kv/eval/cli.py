@@ -53,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--corpus", default=None, help="text file, directory of *.txt or HF dataset name[:config][:split]")
     add("--data", default=None, help="JSONL with fields document and summary (for --tasks summarize)")
     add("--chunk", type=int, default=None, help="tokens fed between evictions when streaming (1: token by token)")
+    add("--contexts", default=None, help="retrieval context lengths, e.g. 1024,2048 (default: the size's)")
     add("--out", default="results/eval", help="output directory (tables and plots)")
     add("--seed", type=int, default=0)
     add("--threads", type=int, default=None, help="torch CPU threads")
@@ -93,7 +94,7 @@ def main(args: argparse.Namespace) -> int:
         tasks=_list(args.tasks),
         policies=_list(args.policies),
         budgets=args.budgets,
-        size=args.size,
+        size=SIZES[args.size].with_contexts(_contexts(args.contexts)),
         mode=args.mode,
         corpus=args.corpus,
         data=args.data,
@@ -105,6 +106,18 @@ def main(args: argparse.Namespace) -> int:
     )
     print(f"{len(rows)} rows; tables and plots in {args.out}/ (summary: {args.out}/summary.md)")
     return 0
+
+
+def _contexts(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        values = tuple(int(item) for item in text.split(",") if item.strip())
+    except ValueError:
+        raise ValueError(f"--contexts must be token counts such as 1024,2048, got {text!r}") from None
+    if not values or min(values) < 64:
+        raise ValueError(f"--contexts must be token counts of at least 64, got {text!r}")
+    return values
 
 
 def _main(argv: Sequence[str] | None = None) -> int:

@@ -60,6 +60,12 @@ class Size:
             self, perplexity=replace(self.perplexity, chunk=chunk), retrieval=replace(self.retrieval, chunk=chunk)
         )
 
+    def with_contexts(self, contexts: tuple[int, ...] | None) -> Size:
+        """The same size with other retrieval context lengths."""
+        if contexts is None:
+            return self
+        return replace(self, retrieval=replace(self.retrieval, contexts=contexts))
+
     def settings(self) -> dict[str, Any]:
         """The size as plain data, for the results' metadata."""
         return asdict(self)

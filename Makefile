@@ -38,3 +38,6 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+
+# kvpress side by side in its own venv (it pins transformers < 5.3): make kvpress-env, make kvpress-run
+include compare/kvpress/Makefile

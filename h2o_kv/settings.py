@@ -1,0 +1,58 @@
+"""What the layers of one cache share: its settings, and which columns of a forward call are real tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from .policies import Policy
+
+Mode = Literal["drop", "mask"]
+
+
+class PaddingMemo:
+    """Which new columns of a forward call are real tokens: computed once per call, shared by the layers."""
+
+    def __init__(self) -> None:
+        self._memo: tuple | None = None
+
+    def real_tokens(
+        self, mask: torch.Tensor | None, batch: int, n: int, device: torch.device
+    ) -> tuple[torch.Tensor, bool]:
+        """[B, n] True for real tokens, and whether any column is padding."""
+        if self._memo is not None and self._memo[0] is mask and self._memo[1].shape == (batch, n):
+            return self._memo[1], self._memo[2]
+        real = _real_tokens(mask, batch, n, device)
+        self._memo = (mask, real, not bool(real.all()))
+        return real, self._memo[2]
+
+
+@dataclass
+class Settings:
+    """What every layer of one cache shares: the policy and how to apply it."""
+
+    policy: Policy
+    mode: Mode = "drop"
+    prefill_chunk: int | None = None
+    prompt_len: int | None = None  # size budgets from this many prompt tokens instead of the first call's
+    padding: PaddingMemo | None = None
+    kv_dtype: str | None = None  # "int8": keys and values stored quantized with per-token scales (quant.py)
+
+    def __post_init__(self) -> None:
+        if self.padding is None:
+            self.padding = PaddingMemo()
+        lengths = torch.tensor([[[1000]], [[1999]]])
+        capacity = self.policy.capacity(lengths)  # a fraction of the prompt gives different capacities
+        self.sized_by_prompt = capacity is not None and bool(capacity[0] != capacity[1])
+
+
+def _real_tokens(mask: torch.Tensor | None, batch: int, n: int, device: torch.device) -> torch.Tensor:
+    """[B, n] True for real tokens. A real token always attends to itself, padding never does."""
+    if mask is None:
+        return torch.ones(batch, n, dtype=torch.bool, device=device)
+    diag = mask[:, 0].diagonal(dim1=-2, dim2=-1)
+    if diag.dtype != torch.bool:  # additive float mask: 0 where attended
+        diag = diag == 0
+    return diag.expand(batch, n)

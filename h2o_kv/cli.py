@@ -73,11 +73,12 @@ def generate(
     prefill_chunk: int | None = None,
     mode: str = "drop",
     stream: bool = False,
+    kv_dtype: str | None = None,
 ) -> dict:
     """One generation under `policy` through the engine; returns the text, what the cache held, and
     prefill/decode speed. Ctrl-C stops it cleanly: what was generated so far is kept."""
     ids = encode(tokenizer, prompt, chat=chat)
-    engine = Engine(model, tokenizer, max_batch=1, prefill_chunk=prefill_chunk, mode=mode)
+    engine = Engine(model, tokenizer, max_batch=1, prefill_chunk=prefill_chunk, mode=mode, kv_dtype=kv_dtype)
     sampling = Sampling(temperature=temperature, top_p=0.95) if sample else Sampling()
     echo = (lambda event: print(event.text, end="", flush=True)) if stream else None
     start = time.perf_counter()
@@ -134,6 +135,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         prefill_chunk=args.prefill_chunk,
         mode=args.mode,
+        kv_dtype=args.kv_dtype,
         stream=is_main(),
     )
     if not is_main():  # under torchrun only rank 0 prints
@@ -278,6 +280,12 @@ def _add_policy_flags(parser: argparse.ArgumentParser) -> None:
         default="drop",
         choices=["drop", "mask"],
         help="drop frees evicted tokens; mask keeps them masked (the paper's simulation)",
+    )
+    parser.add_argument(
+        "--kv-dtype",
+        default=None,
+        choices=["int8"],
+        help="store kept keys and values as int8 with per-token scales (about 4x fewer bytes than float32)",
     )
 
 

@@ -25,6 +25,7 @@ from .cache import KVCache
 from .generation import Sampling, decode_step, forward, sample
 from .layer import GROWTH
 from .policies import Policy
+from .quant import check_kv_dtype
 from .request import Completion, Event, Request
 
 __all__ = ["Engine", "Request", "Event", "Completion", "Sampling"]
@@ -43,6 +44,7 @@ class Engine:
         prefill_chunk: int | None = 256,
         sinks: int = 4,
         mode: str = "drop",
+        kv_dtype: str | None = None,
     ) -> None:
         policies.build(policy, budget, sinks=sinks)  # the defaults must make sense
         for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk or 1)):
@@ -51,11 +53,12 @@ class Engine:
         if kv_memory is not None and (isinstance(kv_memory, bool) or not isinstance(kv_memory, int) or kv_memory < 1):
             raise ValueError(f"kv_memory must be a positive number of bytes, got {kv_memory!r}")
         self.model, self.tokenizer = enable(model), tokenizer
-        self.policy, self.budget, self.sinks, self.mode = policy, budget, sinks, mode
+        check_kv_dtype(kv_dtype)
+        self.policy, self.budget, self.sinks, self.mode, self.kv_dtype = policy, budget, sinks, mode, kv_dtype
         self.kv_memory, self.max_batch, self.prefill_chunk = kv_memory, max_batch, prefill_chunk
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.context_limit = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
-        self._layout = _kv_layout(config, model.dtype)
+        self._layout = _kv_layout(config, model.dtype, kv_dtype)
         self.eos = _eos_ids(model, tokenizer)
         self._lock = threading.Condition()  # guards the waiting queue (submit never waits for a step)
         self._state = threading.Lock()  # held by a step while it changes the batches; stats() reads under it
@@ -216,7 +219,7 @@ class Engine:
             if self.kv_memory is not None and self._projected(request) > self.kv_memory:
                 return  # FIFO: nothing overtakes the head of the queue
             self._waiting.popleft()
-            cache = KVCache(request.policy, mode=self.mode, prompt_len=request.prompt_tokens)
+            cache = KVCache(request.policy, mode=self.mode, prompt_len=request.prompt_tokens, kv_dtype=self.kv_dtype)
             self._prefill.append((request, cache))
 
     def _prefill_chunk(self) -> None:
@@ -353,11 +356,14 @@ def _record(request: Request, cache: KVCache, row: int) -> None:
     }
 
 
-def _kv_layout(config, dtype: torch.dtype) -> int:
-    """Bytes of one slot summed over layers and KV heads: key + value + position + score (+ last)."""
+def _kv_layout(config, dtype: torch.dtype, kv_dtype: str | None = None) -> int:
+    """Bytes of one slot summed over layers and KV heads: key + value (+ their int8 scales) + position +
+    score (+ last)."""
     layers = int(config.num_hidden_layers)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    if kv_dtype == "int8":
+        return layers * kv_heads * (2 * head_dim + 2 * 4 + 8 + 4 + 4)
     element = torch.empty(0, dtype=dtype).element_size()
     return layers * kv_heads * (2 * head_dim * element + 8 + 4 + 4)
 

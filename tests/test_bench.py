@@ -11,7 +11,7 @@ import torch
 
 from h2o_kv import bench
 
-from conftest import VOCAB, make_model
+from conftest import VOCAB, make_model, random_ids
 
 PROMPT_LENS, BATCHES, GEN, BUDGET = [40, 80], [1, 2], 4, 0.2
 
@@ -246,3 +246,21 @@ def test_missing_corpus_is_an_error_not_a_fallback(monkeypatch):
     monkeypatch.setattr(h2o_kv.data, "load_corpus", broken)
     with pytest.raises(FileNotFoundError, match="h2o-kv setup"):
         bench.run_bench(make_model("llama"), CharTokenizer(), prompt_lens=[20], gen_len=2, batch_sizes=[1])
+
+
+def test_int8_suffix_stores_int8_and_counts_its_scales():
+    from h2o_kv.bench.config import new_cache, policy_for
+    from h2o_kv.bench.memory import kv_bytes
+
+    model = make_model("llama")
+    ids = random_ids(1, 40)
+    sizes = {}
+    for name in ("h2o", "h2o-int8"):
+        cache = new_cache(model, name, policy_for(name, 0.5, 40), max_len=44)
+        with torch.no_grad():
+            model(ids, past_key_values=cache, use_cache=True)
+        sizes[name] = kv_bytes(cache)[0]
+        assert (cache.settings.kv_dtype == "int8") == name.endswith("-int8")
+    # int8 keys/values (1 byte) plus one float32 scale per token and head, against float32 (4 bytes)
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    assert sizes["h2o-int8"] / sizes["h2o"] == pytest.approx((head_dim + 4) / (4 * head_dim))

@@ -181,3 +181,17 @@ def test_ignore_eos_generates_exactly_max_tokens():
     forced = engine.generate(ids, max_tokens=20, policy="full", ignore_eos=True)
     assert forced.finish_reason == "length" and forced.completion_tokens == 20
     assert forced.token_ids[: stopped.completion_tokens] == stopped.token_ids
+
+
+def test_int8_storage_batches_like_solo_and_stays_within_its_admission_size():
+    engine = Engine(make_model("llama"), make_tokenizer(), kv_dtype="int8", prefill_chunk=16)
+    requests = [(prompt(20 + 9 * i, seed=i), SPECS[i % 3]) for i in range(6)]
+    solo = [engine.generate(ids, max_tokens=8, **spec).token_ids for ids, spec in requests]
+    handles = [engine.submit(ids, max_tokens=8, **spec) for ids, spec in requests]
+    while engine.step():
+        assert engine.kv_bytes_in_use() <= engine.stats()["kv_bytes_reserved"]
+    assert [h.result().token_ids for h in handles] == solo
+    float32 = Engine(make_model("llama"), make_tokenizer())
+    assert engine.kv_bytes_for(100, 8) < 0.5 * float32.kv_bytes_for(100, 8)
+    with pytest.raises(ValueError, match="kv_dtype"):
+        Engine(make_model("llama"), make_tokenizer(), kv_dtype="int4")

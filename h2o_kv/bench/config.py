@@ -4,7 +4,8 @@ Two stock baselines run the unmodified model with SDPA attention: `full-sdpa` wi
 `DynamicCache` (grows by concatenation every step) and `static-sdpa` with its `StaticCache`
 (preallocated for prompt + generated tokens, written in place: the faster stock decode path).
 Every other name is an h2o-kv policy built by `h2o_kv.policies.build` at the bench's budget,
-resolved against the prompt length.
+resolved against the prompt length; a name ending in `-int8` (e.g. `h2o-int8`) stores its kept keys
+and values as int8 with per-token scales (`KVCache(kv_dtype="int8")`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ BASELINES = (DYNAMIC, STATIC)
 BASELINE_LABELS = {DYNAMIC: "dynamic", STATIC: "static"}  # column suffixes: decode_tok_s_vs_static ...
 POLICIES = (DYNAMIC, STATIC, "h2o", "local", "streamingllm", "tova")
 EXTRA_POLICIES = ("full-kv",)  # h2o_kv.KVCache(Full()): h2o-kv's attention path, no eviction
+INT8 = "-int8"  # suffix: the same policy with int8 KV storage
 SIZES: dict[str, dict[str, Any]] = {
     "small": dict(prompt_lens=[256, 1024], batch_sizes=[1, 2], gen_len=32, repeats=1, warmup=0),
     "large": dict(prompt_lens=[1024, 4096], batch_sizes=[1, 4], gen_len=64, repeats=3, warmup=0),
@@ -43,6 +45,7 @@ def policy_for(name: str, budget: Budget, prompt_len: int) -> Policy | None:
     """
     if name in BASELINES:
         return None
+    name = name.removesuffix(INT8)
     if name == "full-kv":
         return build("full")
     if name == "full":
@@ -56,7 +59,7 @@ def describe(name: str, policy: Policy | None) -> str:
     if name == STATIC:
         return "Full (SDPA, StaticCache)"
     assert policy is not None, name
-    return policy.describe()
+    return policy.describe() + (" int8" if name.endswith(INT8) else "")
 
 
 def new_cache(
@@ -72,7 +75,7 @@ def new_cache(
             return StaticCache(config=model.config, max_cache_len=max_len)
         return DynamicCache(config=model.config)
     enable(model)
-    return KVCache(policy, prefill_chunk=prefill_chunk)
+    return KVCache(policy, prefill_chunk=prefill_chunk, kv_dtype="int8" if name.endswith(INT8) else None)
 
 
 def check_run(

@@ -16,11 +16,12 @@ from .config import Cache
 
 
 def kv_bytes(cache: Cache) -> tuple[int, int]:
-    """(keys + values bytes, all cache bytes including slot bookkeeping), from the cache's tensors."""
+    """(keys + values bytes, with int8 storage's scales; all cache bytes including slot bookkeeping)."""
+    names = ("keys", "values", "key_scale", "value_scale")
     keys_values = sum(
         t.numel() * t.element_size()
         for layer in cache.layers
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+        for t in (getattr(layer, name, None) for name in names)
         if isinstance(t, torch.Tensor)
     )
     return keys_values, cache.nbytes() if isinstance(cache, KVCache) else keys_values

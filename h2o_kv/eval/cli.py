@@ -54,6 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--data", default=None, help="JSONL with fields document and summary (for --tasks summarize)")
     add("--chunk", type=int, default=None, help="tokens fed between evictions when streaming (1: token by token)")
     add("--contexts", default=None, help="retrieval context lengths, e.g. 1024,2048 (default: the size's)")
+    add("--prefills", default=None, help="retrieval prefill settings: oneshot,stream (default: the size's)")
     add("--out", default="results/eval", help="output directory (tables and plots)")
     add("--seed", type=int, default=0)
     add("--threads", type=int, default=None, help="torch CPU threads")
@@ -94,7 +95,7 @@ def main(args: argparse.Namespace) -> int:
         tasks=_list(args.tasks),
         policies=_list(args.policies),
         budgets=args.budgets,
-        size=SIZES[args.size].with_contexts(_contexts(args.contexts)),
+        size=SIZES[args.size].with_contexts(_contexts(args.contexts), _prefills(args.prefills)),
         mode=args.mode,
         corpus=args.corpus,
         data=args.data,
@@ -117,6 +118,15 @@ def _contexts(text: str | None) -> tuple[int, ...] | None:
         raise ValueError(f"--contexts must be token counts such as 1024,2048, got {text!r}") from None
     if not values or min(values) < 64:
         raise ValueError(f"--contexts must be token counts of at least 64, got {text!r}")
+    return values
+
+
+def _prefills(text: str | None) -> tuple[str, ...] | None:
+    if text is None:
+        return None
+    values = tuple(item.strip() for item in text.split(",") if item.strip())
+    if not values or set(values) - {"oneshot", "stream"}:
+        raise ValueError(f"--prefills must be oneshot and/or stream, got {text!r}")
     return values
 
 

@@ -60,11 +60,14 @@ class Size:
             self, perplexity=replace(self.perplexity, chunk=chunk), retrieval=replace(self.retrieval, chunk=chunk)
         )
 
-    def with_contexts(self, contexts: tuple[int, ...] | None) -> Size:
-        """The same size with other retrieval context lengths."""
-        if contexts is None:
-            return self
-        return replace(self, retrieval=replace(self.retrieval, contexts=contexts))
+    def with_contexts(self, contexts: tuple[int, ...] | None, prefills: tuple[str, ...] | None = None) -> Size:
+        """The same size with other retrieval context lengths and prefill settings."""
+        retrieval = self.retrieval
+        if contexts is not None:
+            retrieval = replace(retrieval, contexts=contexts)
+        if prefills is not None:
+            retrieval = replace(retrieval, prefills=prefills)
+        return replace(self, retrieval=retrieval)
 
     def settings(self) -> dict[str, Any]:
         """The size as plain data, for the results' metadata."""

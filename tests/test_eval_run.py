@@ -311,3 +311,13 @@ def test_cli_registers_eval_subcommand() -> None:
     assert parser.parse_args(["eval"]).budgets == [0.05, 0.1, 0.2, 0.5]
     with pytest.raises(SystemExit):
         parser.parse_args(["eval", "--budgets", "0.1,1.5"])
+
+
+def test_int8_policy_suffix_gives_int8_storage_with_close_logits(tiny_lm) -> None:
+    ids = torch.randint(3, 100, (1, 40), generator=torch.Generator().manual_seed(0))
+    caches = {name: new_cache(name, 0.5, 40) for name in ("h2o", "h2o-int8")}
+    with torch.no_grad():
+        logits = {name: tiny_lm(ids, past_key_values=c, use_cache=True).logits for name, c in caches.items()}
+    assert caches["h2o-int8"].settings.kv_dtype == "int8" and caches["h2o"].settings.kv_dtype is None
+    assert caches["h2o-int8"].nbytes() < 0.5 * caches["h2o"].nbytes()
+    torch.testing.assert_close(logits["h2o-int8"], logits["h2o"], atol=0.05, rtol=0.05)

@@ -36,7 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--model", default="smollm2-135m", help="bundled name, local HF dir, .gguf file or hub id")
     add("--device", default="cpu")
     add("--tasks", default=",".join(DEFAULT_TASKS), help=f"comma list of {', '.join(TASKS)}")
-    add("--policies", default=",".join(DEFAULT_POLICIES), help="comma list; Full always runs as the reference")
+    add(
+        "--policies",
+        default=",".join(DEFAULT_POLICIES),
+        help="comma list (a name ending in -int8 stores int8 KV); Full always runs as the reference",
+    )
     add(
         "--budgets",
         type=_budgets,

@@ -17,10 +17,18 @@ from h2o_kv.engine import Engine
 from h2o_kv.generation import decode_step, forward
 from h2o_kv.policies import Budget, budget_tokens, build
 
+INT8 = "-int8"  # a policy name with this suffix stores its kept keys and values as int8 (KVCache(kv_dtype="int8"))
+
+
+def kv_dtype_of(policy: str) -> str | None:
+    return "int8" if policy.endswith(INT8) else None
+
 
 def new_cache(policy: str, budget: Budget, length: int, *, mode: Mode = "drop", chunk: int | None = None) -> KVCache:
-    """A fresh cache for `policy` at `budget` resolved against `length` tokens ("full": no budget)."""
-    return KVCache(build(policy, budget_tokens(budget, length)), mode=mode, prefill_chunk=chunk)
+    """A fresh cache for `policy` at `budget` resolved against `length` tokens ("full": no budget;
+    "h2o-int8": H2O with int8 storage)."""
+    built = build(policy.removesuffix(INT8), budget_tokens(budget, length))
+    return KVCache(built, mode=mode, prefill_chunk=chunk, kv_dtype=kv_dtype_of(policy))
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,8 +64,10 @@ def greedy_generate(
     """
     length = length or max(len(p) for p in prompt_ids)
     limits = [max_new_tokens] * len(prompt_ids) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-    engine = Engine(model, tokenizer, max_batch=batch_size, prefill_chunk=prefill_chunk, mode=mode)
-    chosen = build(policy, budget_tokens(budget, length))
+    engine = Engine(
+        model, tokenizer, max_batch=batch_size, prefill_chunk=prefill_chunk, mode=mode, kv_dtype=kv_dtype_of(policy)
+    )
+    chosen = build(policy.removesuffix(INT8), budget_tokens(budget, length))
     requests = [
         engine.submit(list(ids), max_tokens=limit, policy=chosen) if limit > 0 else None
         for ids, limit in zip(prompt_ids, limits, strict=True)

@@ -14,10 +14,10 @@ from typing import Any
 
 from h2o_kv.cache import Mode
 from h2o_kv.policies import Budget
-from h2o_kv.report import environment
+from h2o_kv.report import environment, write_csv, write_json
 
 from .sizes import DEFAULT_BUDGETS, DEFAULT_POLICIES, DEFAULT_TASKS, SIZES, TASKS, Size
-from .tables import long_rows, write_results
+from .tables import COLUMNS, long_rows, summary_markdown
 
 Config = tuple[str, Budget]
 
@@ -153,3 +153,15 @@ def _summarize(model, tokenizer, runs: list[Config], size: Size, *, mode, corpus
 
 
 TASK_RUNNERS = {"perplexity": _perplexity, "retrieval": _retrieval, "fidelity": _fidelity, "summarize": _summarize}
+
+
+def write_results(rows: list[dict], out: Path, meta: dict) -> None:
+    """results.json (meta + rows), results.csv, summary.md and one PNG per task under `out`."""
+    from .plots import plot_task  # matplotlib only when plots are written
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "results.json", {"meta": meta, "rows": rows})
+    write_csv(out / "results.csv", COLUMNS, rows)
+    (out / "summary.md").write_text(summary_markdown(rows, meta))
+    for task in dict.fromkeys(r["task"] for r in rows):
+        plot_task([r for r in rows if r["task"] == task], task, out / f"{task}.png")

@@ -4,10 +4,8 @@ results.json / results.csv, and summary.md (policy x budget tables per task)."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 from h2o_kv.policies import budget_tokens, is_fraction
-from h2o_kv.report import write_csv, write_json
 
 PLOT_METRICS = {
     "perplexity": ("ppl",),
@@ -56,18 +54,6 @@ def long_rows(task: str, wide: list[dict], *, prefill: str, mode: str, chunk: in
                 }
             )
     return out
-
-
-def write_results(rows: list[dict], out: Path, meta: dict) -> None:
-    """results.json (meta + rows), results.csv, summary.md and one PNG per task under `out`."""
-    from .plots import plot_task
-
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "results.json", {"meta": meta, "rows": rows})
-    write_csv(out / "results.csv", COLUMNS, rows)
-    (out / "summary.md").write_text(summary_markdown(rows, meta))
-    for task in dict.fromkeys(r["task"] for r in rows):
-        plot_task([r for r in rows if r["task"] == task], task, out / f"{task}.png")
 
 
 def budget_x(r: dict) -> float:

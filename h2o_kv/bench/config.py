@@ -93,7 +93,7 @@ def check_run(
         raise ValueError("bench needs at least one policy, prompt length, batch size and thread count")
     if min(prompt_lens) < 1 or min(batch_sizes) < 1 or gen_len < 1 or repeats < 1 or warmup < 0:
         raise ValueError("prompt lengths, batch sizes, gen_len and repeats must be >= 1 (warmup >= 0)")
-    if any(t is not None and t < 1 for t in threads):
+    if any(t is not None and t < 0 for t in threads):
         raise ValueError(f"threads must be >= 1 (or 0 for the machine's default), got {list(threads)}")
     check_budget_value(budget, "bench budget")
     for name in policies:

@@ -234,24 +234,19 @@ def _int_at_least(low: int):
     return parse
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 < value <= 1.0:  # also refuses nan and inf
-        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1], got {text}")
-    return value
+def _float_in(low: float, high: float):
+    """An argparse type: a float in (low, high] (nan and inf refused)."""
 
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not low < value <= high:  # also refuses nan and inf
+            raise argparse.ArgumentTypeError(f"must be in ({low:g}, {high:g}], got {text}")
+        return value
 
-def _temperature(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 < value <= 100.0:  # also refuses nan and inf
-        raise argparse.ArgumentTypeError(f"must be in (0, 100], got {text}")
-    return value
+    return parse
 
 
 def _add_policy_flags(parser: argparse.ArgumentParser) -> None:
@@ -300,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--max-new-tokens", type=_int_at_least(1), default=128)
     gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    gen.add_argument("--temperature", type=_temperature, default=0.7)
+    gen.add_argument("--temperature", type=_float_in(0.0, 100.0), default=0.7)
     gen.add_argument("--no-chat", dest="chat", action="store_false", help="do not apply the chat template")
     _add_policy_flags(gen)
     gen.set_defaults(func=cmd_generate)
@@ -310,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--model", default="smollm2-135m")
     demo.add_argument("--device", default="cpu")
-    demo.add_argument("--ratio", type=_fraction, default=0.2, help="H2O budget as a fraction of the prompt")
+    demo.add_argument("--ratio", type=_float_in(0.0, 1.0), default=0.2, help="H2O budget as a fraction of the prompt")
     demo.add_argument("--words", type=_int_at_least(1), default=700, help="words of Hamlet in the prompt")
     demo.add_argument("--max-new-tokens", type=_int_at_least(1), default=64)
     demo.set_defaults(func=cmd_demo)

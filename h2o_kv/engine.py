@@ -297,10 +297,11 @@ class Engine:
         for item in [item for item in self._prefill if item[0].cancelled]:
             self._prefill.remove(item)
             self._finish(item[0], "cancelled")
-        for policy, (_, rows) in list(self._groups.items()):
+        for policy, (cache, rows) in list(self._groups.items()):
             if any(r.cancelled for r in rows):
-                for request in rows:
+                for i, request in enumerate(rows):
                     if request.cancelled:
+                        _record(request, cache, i)  # what it held when it stopped
                         self._finish(request, "cancelled")
                 self._leave(policy, [i for i, r in enumerate(rows) if not r.cancelled])
 

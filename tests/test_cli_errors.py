@@ -138,10 +138,13 @@ def test_ctrl_c_stops_generation_cleanly(tmp_path):
     if not (models.cache_dir() / "models" / "smollm2-135m" / "config.json").is_file():
         pytest.skip("bundled model not converted (make setup)")
     proc = subprocess.Popen(
-        [str(H2O_KV), "generate", "Count from one to a million in words.", "--max-new-tokens", "100000"],
+        [str(H2O_KV), "generate", "Count from one to a million in words.", "--max-new-tokens", "3000"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=OFFLINE_ENV,
+        # a runner that starts the tests in the background ignores SIGINT, and Python keeps an ignored
+        # SIGINT ignored: give the child the default disposition, so Python installs its handler
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     first = threading.Event()
     out = bytearray()
@@ -158,8 +161,8 @@ def test_ctrl_c_stops_generation_cleanly(tmp_path):
         assert first.wait(240), "no token streamed within 240 s"
         time.sleep(0.5)
         proc.send_signal(signal.SIGINT)
-        err = proc.stderr.read().decode()
         code = proc.wait(timeout=120)
+        err = proc.stderr.read().decode()
     finally:
         if proc.poll() is None:
             proc.kill()

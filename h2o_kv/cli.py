@@ -259,9 +259,9 @@ def _add_policy_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--budget",
         type=_budget,
-        default=0.2,
+        default=256,
         help="KV budget per layer and head: tokens (64), or a fraction of the prompt (0.2, 20%%, 1.0 = all) "
-        "(default 0.2)",
+        "(default 256 tokens: a fraction of a short prompt keeps too little to answer it)",
     )
     count = _int_at_least(0)
     parser.add_argument("--heavy", type=count, default=None, help="H2O heavy-hitter tokens (with --recent)")

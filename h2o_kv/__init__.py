@@ -7,7 +7,7 @@ model.generate(**inputs, past_key_values=cache, max_new_tokens=200)
 
 from .attention import enable, is_enabled
 from .cache import KVCache
-from .policies import H2O, TOVA, Full, Local, Policy, StreamingLLM
+from .policies import H2O, TOVA, Full, Local, Policy, Sinks, SnapKV, StreamingLLM
 
 
 def load_model(*args, **kwargs):
@@ -27,6 +27,17 @@ __all__ = [
     "Local",
     "StreamingLLM",
     "TOVA",
+    "SnapKV",
+    "Sinks",
     "Full",
+    "Engine",
 ]
+
+
+def __getattr__(name: str):
+    if name == "Engine":  # h2o_kv.Engine without importing the engine for users of the cache alone
+        from .engine import Engine
+
+        return Engine
+    raise AttributeError(f"module 'h2o_kv' has no attribute {name!r}")
 __version__ = "0.1.0"

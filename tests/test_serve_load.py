@@ -195,7 +195,7 @@ def test_kv_memory_sizes_and_serve_flags() -> None:
     parse = build_parser().parse_args
     settings = engine_settings(parse(["serve", "--budget", "20%", "--kv-memory", "1GiB", "--max-batch", "8"]))
     assert (settings["policy"], settings["budget"], settings["kv_memory"], settings["max_batch"]) == (
-        "h2o",
+        "snapkv",
         0.2,
         2**30,
         8,
@@ -217,7 +217,10 @@ def test_load_generator_at_a_tiny_size(model, tokenizer, tmp_path) -> None:
     with pytest.raises(ValueError):
         parse_configs("full:64")
     configs = parse_configs("h2o:0.2, full")
-    assert [c["fields"] for c in configs] == [{"kv_policy": "h2o", "kv_budget": "0.2"}, {"kv_policy": "full"}]
+    assert [c["fields"] for c in configs] == [
+        {"kv_policy": "h2o", "kv_budget": "0.2", "ignore_eos": True},
+        {"kv_policy": "full", "ignore_eos": True},
+    ]
     prompts = make_prompts(list(range(5, 205)), n=6, length=96)
     assert [len(p) for p in prompts] == [96] * 6 and prompts[0] != prompts[1]
 

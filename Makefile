@@ -24,7 +24,7 @@ demo: setup
 
 test: setup
 	$(BIN)/ruff check h2o_kv tests
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 lint: setup
 	$(BIN)/ruff check h2o_kv tests

@@ -40,4 +40,6 @@ def __getattr__(name: str):
 
         return Engine
     raise AttributeError(f"module 'h2o_kv' has no attribute {name!r}")
+
+
 __version__ = "0.1.0"

@@ -133,7 +133,7 @@ class Engine:
             return policy
         name = policy or self.policy
         if budget is None and str(name).lower() != "full":
-            budget = self.budget if policy is None or str(self.policy).lower() != "full" else None
+            budget = self.budget  # None when the engine default is full: a bounded policy then needs its own
         return policies.build(name, budget, sinks=self.sinks)
 
     def kv_bytes_for(self, prompt_len: int, max_tokens: int, policy: Policy | None = None) -> int:

@@ -82,6 +82,7 @@ def h2o_attention(
         scaling=scaling,
         window=kwargs.get("sliding_window") or getattr(module, "sliding_window", None),
         softcap=kwargs.get("softcap"),
+        config=getattr(module, "config", None),
     )
     return out, None
 

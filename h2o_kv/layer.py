@@ -39,6 +39,7 @@ class KVLayer(CacheLayerMixin):
         super().__init__()
         self.settings = settings
         self.layer_idx = layer_idx
+        self.policy = settings.policy  # this layer's own (LayerBudgets), fixed with the budget on the first call
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.seen = 0  # columns seen, padding included: what transformers counts positions from
 
@@ -131,7 +132,8 @@ class KVLayer(CacheLayerMixin):
         if not other.is_initialized or other.prompt_len is None:
             raise ValueError("only sequences whose prompt has been through the cache can join a batch")
         if not self.is_initialized:
-            for name in ("dtype", "device", "used", "seen", "kept_bound", "decoded", *SLOT_FIELDS, *ROW_FIELDS):
+            copied = ("dtype", "device", "policy", "used", "seen", "kept_bound", "decoded")
+            for name in (*copied, *SLOT_FIELDS, *ROW_FIELDS):
                 setattr(self, name, getattr(other, name))
             self.is_initialized = True
             self._refresh_bounds()
@@ -177,8 +179,10 @@ class KVLayer(CacheLayerMixin):
         scaling: float,
         window: int | None = None,
         softcap: float | None = None,
+        config=None,
     ) -> torch.Tensor:
-        """Attention output [B, n, Hq, D] for the pending tokens; the cache is updated and evicted."""
+        """Attention output [B, n, Hq, D] for the pending tokens; the cache is updated and evicted.
+        `config` (the model's) lets a per-layer policy size this layer's budget on the first call."""
         assert self.pending is not None
         new_keys, new_values = self.pending
         self.pending = None
@@ -201,9 +205,11 @@ class KVLayer(CacheLayerMixin):
             self.next_pos = self.next_pos + real.sum(1).view(batch, 1, 1)
         self.seen += n
         if self.prompt_len is None:
+            policy = self.settings.policy
+            self.policy = policy if config is None else policy.for_layer(self.layer_idx, config)
             hint = self.settings.prompt_len
             self._fix_budget(real.sum(1) if hint is None else torch.as_tensor(hint, device=self.device).expand(batch))
-        policy = self.settings.policy
+        policy = self.policy
         chunk = self.settings.prefill_chunk or n
         outputs = []
         for start in range(0, n, chunk):
@@ -241,7 +247,7 @@ class KVLayer(CacheLayerMixin):
     def _add_scores(self, scores: torch.Tensor, queries: int, observed: bool, new_from: int | None) -> None:
         """Accumulate a call's attention into the scores: decayed old scores; an observed (multi-token)
         call's scores pooled over neighbours and, if the policy says so, shared by the layer's heads."""
-        policy = self.settings.policy
+        policy = self.policy
         if policy.decay != 1.0:
             self.score.mul_(policy.decay**queries)
         width = scores.shape[-1]
@@ -257,7 +263,7 @@ class KVLayer(CacheLayerMixin):
 
     def _fix_budget(self, prompt_len: torch.Tensor) -> None:
         self.prompt_len = prompt_len.view(-1, 1, 1)
-        capacity = self.settings.policy.capacity(prompt_len)
+        capacity = self.policy.capacity(prompt_len)
         if capacity is not None:
             self.capacity = capacity.clamp(min=1).view(-1, 1).to(self.device)
             self.max_capacity = int(self.capacity.max())
@@ -323,11 +329,14 @@ class KVLayer(CacheLayerMixin):
             self._free((self.pos >= 0) & (self.pos <= next_pos - window))
             self.kept_bound = int(self.kept().max())
         if self.capacity is None or self.kept_bound <= self.min_capacity:
+            shrink = window is not None and added > 1 and self.settings.mode == "drop"
+            if shrink and self.keys.shape[2] > self.kept_bound + 1:
+                self._compact(self.kept_bound + 1)  # the window freed more than the policy would have
             return
         valid = self.pos >= 0
         excess = valid.sum(-1) - self.capacity  # [B, H]
         state = SlotState(self.pos, self.score, self.last, next_pos, self.prompt_len)
-        priority = torch.where(valid, self.settings.policy.priority(state), float("inf"))
+        priority = torch.where(valid, self.policy.priority(state), float("inf"))
         if added == 1:  # decoding: every head was within capacity, so at most one token to drop
             lowest = priority.amin(-1, keepdim=True)
             oldest = torch.where(priority == lowest, self.pos, torch.iinfo(torch.int64).max)

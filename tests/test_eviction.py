@@ -125,6 +125,18 @@ def test_sliding_window_layer_drops_tokens_outside_the_window():
     assert kept_positions(layer) == ref_kept
 
 
+@pytest.mark.parametrize("policy", [h2o_kv.H2O(heavy=4, recent=4), h2o_kv.Full()], ids=["h2o", "full"])
+def test_a_window_smaller_than_the_budget_frees_the_prompts_storage(policy):
+    """A sliding layer whose window keeps fewer tokens than the budget shrinks its storage after a prompt."""
+    q, k, v = random_qkv(total=24, seed=13)
+    out, layer = run_layer(policy, q, k, v, [20, 1, 1, 1, 1], window=4)
+    rule = "full" if policy == h2o_kv.Full() else "h2o"
+    ref_out, ref_kept = reference_layer(q[0], k[0], v[0], [20, 1, 1, 1, 1], rule, 8, {"recent": 4}, window=4)
+    torch.testing.assert_close(out[0].double(), ref_out, atol=1e-5, rtol=1e-5)
+    assert kept_positions(layer) == ref_kept
+    assert layer.keys.shape[2] <= 4 + 1
+
+
 def test_ratio_budget_fixed_by_the_prompt():
     q, k, v = random_qkv(total=24, seed=17)
     policy = h2o_kv.H2O(heavy_ratio=0.25, recent_ratio=0.25)  # prompt of 16 -> heavy 4, recent 4

@@ -53,7 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--policies",
         type=_name_list,
         default=list(POLICIES),
-        help=f"comma list from {', '.join(POLICIES + EXTRA_POLICIES)} (default: {','.join(POLICIES)})",
+        help=f"comma list from {', '.join(POLICIES + EXTRA_POLICIES)}, any h2o-kv policy with -int8 for int8 "
+        f"KV storage, e.g. h2o-int8 (default: {','.join(POLICIES)})",
     )
     add(
         "--budget",

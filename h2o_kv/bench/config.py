@@ -28,7 +28,7 @@ STATIC = "static-sdpa"  # the stock model: SDPA attention, transformers' StaticC
 BASELINES = (DYNAMIC, STATIC)
 BASELINE_LABELS = {DYNAMIC: "dynamic", STATIC: "static"}  # column suffixes: decode_tok_s_vs_static ...
 POLICIES = (DYNAMIC, STATIC, "h2o", "local", "streamingllm", "tova")
-EXTRA_POLICIES = ("full-kv",)  # h2o_kv.KVCache(Full()): h2o-kv's attention path, no eviction
+EXTRA_POLICIES = ("snapkv", "full-kv")  # full-kv: h2o_kv.KVCache(Full()), h2o-kv's attention path, no eviction
 INT8 = "-int8"  # suffix: the same policy with int8 KV storage
 SIZES: dict[str, dict[str, Any]] = {
     "small": dict(prompt_lens=[256, 1024], batch_sizes=[1, 2], gen_len=32, repeats=1, warmup=0),

@@ -3,6 +3,7 @@
 from .base import MAX_TOKENS, Policy, SlotState
 from .full import Full
 from .h2o import H2O
+from .layers import LayerBudgets
 from .local import Local
 from .sinks import Sinks
 from .snapkv import SnapKV
@@ -20,6 +21,7 @@ __all__ = [
     "TOVA",
     "SnapKV",
     "Sinks",
+    "LayerBudgets",
     "NAMES",
     "build",
     "parse_budget",
@@ -29,7 +31,7 @@ __all__ = [
     "is_fraction",
 ]
 
-NAMES = ("h2o", "snapkv", "local", "streamingllm", "tova", "full")
+NAMES = ("h2o", "snapkv", "pyramidkv", "globalkv", "local", "streamingllm", "tova", "full")
 
 Budget = float | int | None  # None: the Full cache
 
@@ -95,6 +97,8 @@ def build(name: str, budget: Budget = None, *, sinks: int = 4) -> Policy:
     (0, 1], sized per sequence when the cache sees its prompt. H2O splits it evenly between heavy
     hitters and the recent window (the paper's 50/50); StreamingLLM keeps `sinks` sink tokens
     (budget - 1 when the budget is smaller) and a window of the rest. "full" takes no budget.
+    "pyramidkv" and "globalkv" are SnapKV with per-layer budgets averaging `budget` (LayerBudgets:
+    PyramidKV's schedule; sliding-window layers giving their budget to full-attention layers).
     """
     key = str(name).lower().replace("-", "").replace("_", "")
     if key not in NAMES:
@@ -114,4 +118,6 @@ def build(name: str, budget: Budget = None, *, sinks: int = 4) -> Policy:
         return TOVA(budget=budget)
     if key == "snapkv":
         return SnapKV(budget=budget)
+    if key in ("pyramidkv", "globalkv"):
+        return LayerBudgets(SnapKV(budget=budget), "pyramid" if key == "pyramidkv" else "global")
     return StreamingLLM(sinks=sinks, budget=budget)

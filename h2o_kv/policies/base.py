@@ -46,6 +46,11 @@ class Policy:
         """[B, H, S] float keep-priority: the lowest is evicted first (ties: the oldest)."""
         raise NotImplementedError
 
+    def for_layer(self, layer_idx: int, config) -> Policy:
+        """The policy layer `layer_idx` of a model with this `config` applies (per-layer budgets:
+        `LayerBudgets`); the same policy in every layer by default."""
+        return self
+
     def describe(self) -> str:
         """Short human-readable form, used by the CLI and result tables."""
         return repr(self)

@@ -31,14 +31,17 @@ from .request import Completion, Event, Request
 __all__ = ["Engine", "Request", "Event", "Completion", "Sampling"]
 
 
+DEFAULT_BUDGET = 0.2  # a fifth of the prompt: the committed studies' operating point
+
+
 class Engine:
     def __init__(
         self,
         model,
         tokenizer,
         *,
-        policy: str = "snapkv",
-        budget: policies.Budget = 0.2,
+        policy: str = policies.DEFAULT,
+        budget: policies.Budget = DEFAULT_BUDGET,
         kv_memory: int | None = None,
         max_batch: int = 16,
         prefill_chunk: int | None = 256,
@@ -46,7 +49,8 @@ class Engine:
         mode: str = "drop",
         kv_dtype: str | None = None,
     ) -> None:
-        policies.build(policy, budget, sinks=sinks)  # the defaults must make sense
+        # the defaults must make sense; a Full default keeps `budget` for requests naming a bounded policy
+        policies.build(policy, None if str(policy).lower() == "full" else budget, sinks=sinks)
         for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk or 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -133,7 +137,7 @@ class Engine:
             return policy
         name = policy or self.policy
         if budget is None and str(name).lower() != "full":
-            budget = self.budget  # None when the engine default is full: a bounded policy then needs its own
+            budget = self.budget  # None: a request naming a bounded policy must then give its own
         return policies.build(name, budget, sinks=self.sinks)
 
     def kv_bytes_for(self, prompt_len: int, max_tokens: int, policy: Policy | None = None) -> int:

@@ -13,6 +13,7 @@ from conftest import make_model, make_tokenizer, random_ids
 
 SPECS = [
     dict(policy="h2o", budget=0.2),
+    dict(policy="globalkv", budget=0.3),
     dict(policy="full"),
     dict(policy="local", budget=8),
     dict(policy="h2o", budget=12),
@@ -37,6 +38,17 @@ def test_full_policy_matches_the_unmodified_model(engine):
         expected = stock.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, 30:].tolist()
     got = engine.generate(ids, max_tokens=12, policy="full").token_ids
     assert got[: len(expected)] == expected[: len(got)] and len(got) >= 1
+
+
+def test_a_full_default_engine_serves_bounded_requests_at_the_default_budget():
+    engine = Engine(make_model("llama"), make_tokenizer(), policy="full")
+    assert engine.resolve_policy() == h2o_kv.Full()
+    assert engine.resolve_policy("h2o") == h2o_kv.H2O(budget=0.2)
+    assert engine.resolve_policy("snapkv", 16) == h2o_kv.SnapKV(budget=16)
+    ids = prompt(20, seed=4)
+    assert engine.generate(ids, max_tokens=4).token_ids == engine.generate(ids, max_tokens=4, policy="full").token_ids
+    with pytest.raises(ValueError, match="needs a budget"):
+        Engine(make_model("llama"), make_tokenizer(), policy="full", budget=None).resolve_policy("h2o")
 
 
 def test_concurrent_requests_equal_solo_runs(engine):

@@ -23,6 +23,7 @@ __all__ = [
     "Sinks",
     "LayerBudgets",
     "NAMES",
+    "DEFAULT",
     "build",
     "parse_budget",
     "check_budget_value",
@@ -32,6 +33,7 @@ __all__ = [
 ]
 
 NAMES = ("h2o", "snapkv", "pyramidkv", "globalkv", "local", "streamingllm", "tova", "full")
+DEFAULT = "globalkv"  # the default of generate, demo, the engine and serve: the best in results/beyond
 
 Budget = float | int | None  # None: the Full cache
 

@@ -85,7 +85,9 @@ def add_parser(sub) -> None:
     serve.add_argument("--model", default="smollm2-135m", help="bundled name, HF id, local dir or .gguf file")
     serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: from --model)")
     serve.add_argument("--device", default="cpu")
-    serve.add_argument("--policy", default="snapkv", choices=policies.NAMES, help="default KV policy (default snapkv)")
+    serve.add_argument(
+        "--policy", default=policies.DEFAULT, choices=policies.NAMES, help=f"default KV policy ({policies.DEFAULT})"
+    )
     serve.add_argument(
         "--budget",
         default="512",

@@ -56,6 +56,19 @@ class Policy:
         return repr(self)
 
 
+class Wrapper(Policy):
+    """A policy around an `inner` one (Sinks, LayerBudgets): how scores accumulate is the inner policy's."""
+
+    inner: Policy
+
+    needs_scores = property(lambda self: self.inner.needs_scores)  # type: ignore[assignment]
+    needs_last = property(lambda self: self.inner.needs_last)  # type: ignore[assignment]
+    score_window = property(lambda self: self.inner.score_window)  # type: ignore[assignment]
+    score_pool = property(lambda self: self.inner.score_pool)  # type: ignore[assignment]
+    decay = property(lambda self: self.inner.decay)  # type: ignore[assignment]
+    score_shared = property(lambda self: self.inner.score_shared)  # type: ignore[assignment]
+
+
 def check_budget(name: str, value: int | None, *, allow_zero: bool = False) -> None:
     """Reject budgets that cannot mean anything, before any cache is touched."""
     if value is None:

@@ -22,7 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .base import Policy, SlotState
+from .base import Policy, SlotState, Wrapper
 from .full import Full
 from .h2o import H2O
 from .local import Local
@@ -33,7 +33,7 @@ SCHEDULES = ("pyramid", "global")
 
 
 @dataclass(frozen=True)
-class LayerBudgets(Policy):
+class LayerBudgets(Wrapper):
     """`inner` with a per-layer budget: `schedule` "pyramid" (PyramidKV) or "global" (sliding layers give
     their budget to full-attention layers). The mean over layers is the inner policy's budget."""
 
@@ -51,13 +51,6 @@ class LayerBudgets(Policy):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
                 raise ValueError(f"{name} must be a number in [{low:g}, {high:g}], got {value!r}")
         scale_budget(self.inner, 1.0)  # refuse, at construction, a policy whose budget cannot be scaled
-
-    needs_scores = property(lambda self: self.inner.needs_scores)  # type: ignore[assignment]
-    needs_last = property(lambda self: self.inner.needs_last)  # type: ignore[assignment]
-    score_window = property(lambda self: self.inner.score_window)  # type: ignore[assignment]
-    score_pool = property(lambda self: self.inner.score_pool)  # type: ignore[assignment]
-    decay = property(lambda self: self.inner.decay)  # type: ignore[assignment]
-    score_shared = property(lambda self: self.inner.score_shared)  # type: ignore[assignment]
 
     def capacity(self, prompt_len):
         return self.inner.capacity(prompt_len)  # the mean; each layer uses `for_layer`'s policy

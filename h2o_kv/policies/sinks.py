@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Policy, SlotState, check_budget
+from .base import Policy, SlotState, Wrapper, check_budget
 
 
 @dataclass(frozen=True)
-class Sinks(Policy):
+class Sinks(Wrapper):
     inner: Policy
     sinks: int = 4
 
@@ -23,13 +23,6 @@ class Sinks(Policy):
         if not isinstance(self.inner, Policy) or isinstance(self.inner, Sinks):
             raise TypeError(f"Sinks wraps one h2o_kv policy, got {self.inner!r}")
         check_budget("sinks", self.sinks)
-
-    needs_scores = property(lambda self: self.inner.needs_scores)  # type: ignore[assignment]
-    needs_last = property(lambda self: self.inner.needs_last)  # type: ignore[assignment]
-    score_window = property(lambda self: self.inner.score_window)  # type: ignore[assignment]
-    score_pool = property(lambda self: self.inner.score_pool)  # type: ignore[assignment]
-    decay = property(lambda self: self.inner.decay)  # type: ignore[assignment]
-    score_shared = property(lambda self: self.inner.score_shared)  # type: ignore[assignment]
 
     def capacity(self, prompt_len: torch.Tensor) -> torch.Tensor | None:
         return self.inner.capacity(prompt_len)

@@ -106,3 +106,19 @@ def test_builder_and_bad_options():
         LayerBudgets(SnapKV(budget=8), "global", sliding_share=1.5)
     with pytest.raises(TypeError, match="wraps one"):
         LayerBudgets(LayerBudgets(SnapKV(budget=8)))
+
+
+def test_engine_batches_per_layer_budgets_like_solo_runs():
+    """Sequences with per-layer budgets join and leave a running batch (append_rows / select_rows) and
+    get exactly their solo tokens, on a model with sliding and full layers."""
+    from h2o_kv.engine import Engine
+
+    from conftest import make_tokenizer
+
+    engine = Engine(make_model("gemma3"), make_tokenizer(), policy="globalkv", budget=0.5, prefill_chunk=8)
+    prompts = [random_ids(1, 12 + 5 * i, seed=i)[0].tolist() for i in range(4)]
+    solo = [engine.generate(ids, max_tokens=6).token_ids for ids in prompts]
+    handles = [engine.submit(ids, max_tokens=6) for ids in prompts]
+    engine.run()
+    assert [h.result().token_ids for h in handles] == solo
+    assert engine.kv_bytes_in_use() == 0

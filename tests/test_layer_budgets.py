@@ -106,6 +106,16 @@ def test_builder_and_bad_options():
         LayerBudgets(SnapKV(budget=8), "global", sliding_share=1.5)
     with pytest.raises(TypeError, match="wraps one"):
         LayerBudgets(LayerBudgets(SnapKV(budget=8)))
+    with pytest.raises(ValueError, match="beta"):
+        LayerBudgets(SnapKV(budget=8), "pyramid", beta=0.5)
+    with pytest.raises(ValueError, match="sliding_share"):
+        LayerBudgets(SnapKV(budget=8), "global", sliding_share=float("nan"))
+
+    class Unsized(h2o_kv.Policy):  # a policy with no budget field cannot be scaled per layer
+        pass
+
+    with pytest.raises(TypeError, match="cannot scale the budget"):
+        LayerBudgets(Unsized())
 
 
 def test_engine_batches_per_layer_budgets_like_solo_runs():

@@ -297,3 +297,25 @@ def test_make_dataset_seeds_and_depth_sweep() -> None:
     assert [s.depth for s in swept] == [0.0, 0.5, 0.0, 0.5]
     mk = make_dataset("niah_multikey", 2, 800, num_keys=3, **kw)
     assert all(len(s.metadata["distractor_keys"]) == 2 for s in mk)
+
+
+def test_side_by_side_sizes_build_the_kvpress_export_samples(tiny_tokenizer):
+    """`--size niah` and `--size ruler` build, sample for sample, what compare/kvpress exports for kvpress."""
+    import importlib.util
+    from pathlib import Path
+
+    from h2o_kv.eval.retrieval import make_samples
+    from h2o_kv.eval.sizes import SIZES
+
+    path = Path(__file__).resolve().parents[1] / "compare" / "kvpress" / "export_samples.py"
+    spec = importlib.util.spec_from_file_location("export_samples", path)
+    export = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(export)
+    haystack = _make_haystack()
+    for size in ("niah", "ruler"):
+        ret = SIZES[size].retrieval
+        assert ret.samples == 20 and ret.contexts == (1024, 2048) and ret.prefills == ("oneshot",)
+        ours = make_samples(tiny_tokenizer, haystack, tasks=ret.tasks, context_tokens=512, n=4, seed=3)
+        theirs = [s for task in ret.tasks for s in export.samples_for(tiny_tokenizer, haystack, task, 512, 4, 3)]
+        assert [(s.prompt, s.answers, s.depth) for s in ours] == [(s.prompt, s.answers, s.depth) for s in theirs]
+    assert set(SIZES["ruler"].retrieval.tasks) | {"niah_single"} == set(export.SHORT)

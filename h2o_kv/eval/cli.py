@@ -51,7 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--size",
         default="small",
         choices=sorted(SIZES),
-        help="small: minutes on a CPU; large: the fuller protocol; niah: needle retrieval, 20 samples per context",
+        help="small: minutes on a CPU; large: the fuller protocol; niah: needle retrieval, 20 samples per "
+        "context; ruler: passkey and variable tracking, 20 samples (the kvpress side by side's)",
     )
     add("--mode", default="drop", choices=["drop", "mask"], help="drop frees evicted tokens (faster, same numbers)")
     add("--corpus", default=None, help="text file, directory of *.txt or HF dataset name[:config][:split]")

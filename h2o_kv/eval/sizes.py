@@ -97,4 +97,13 @@ SIZES: dict[str, Size] = {
         FidelitySize(prompts=6, passage_tokens=320, new_tokens=64),
         SummarizeSize(records=8, new_tokens=64, document_tokens=768),
     ),
+    # The other retrieval cells of the kvpress side by side: the same samples as compare/kvpress
+    # (20 per context, passkey depths spread over (0, 1)) and its cap of 32 answer tokens.
+    "ruler": Size(
+        PerplexitySize(windows=4, length=1024, chunk=1),
+        RetrievalSize(("passkey", "variable_tracking"), (1024, 2048), samples=20, prefills=("oneshot",), chunk=16,
+                      answer_cap=32),
+        FidelitySize(prompts=6, passage_tokens=320, new_tokens=64),
+        SummarizeSize(records=8, new_tokens=64, document_tokens=768),
+    ),
 }  # fmt: skip

@@ -30,7 +30,8 @@ class RowsFirstLinear(nn.Linear):
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if x.device.type != "cpu" or rows == 0 or rows > MAX_ROWS:
             return super().forward(x)
-        out = torch.mm(self.weight, x.reshape(rows, -1).t()).t()
+        # contiguous: a transposed view would send attention (e.g. SDPA's flash kernel) to slower paths
+        out = torch.mm(self.weight, x.reshape(rows, -1).t()).t().contiguous()
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)

@@ -61,3 +61,11 @@ def test_decode_logits_equal_the_stock_model(arch):
 def test_a_model_without_a_decoder_is_refused():
     with pytest.raises(ValueError, match="no decoder"):
         use_rows_first(nn.Sequential(nn.Linear(4, 4)))
+
+
+def test_outputs_are_contiguous_like_nn_linear():
+    """A transposed (W @ x^T)^T view would send SDPA to its slow math path: the output must be contiguous."""
+    swapped = RowsFirstLinear(48, 80)
+    with torch.no_grad():
+        out = swapped(torch.randn(4, 1, 48))
+    assert out.is_contiguous() and out.stride()[-1] == 1

@@ -62,7 +62,7 @@ class Engine:
         self.kv_memory, self.max_batch, self.prefill_chunk = kv_memory, max_batch, prefill_chunk
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.context_limit = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
-        self._layout = _kv_layout(config, model.dtype, kv_dtype)
+        self._config, self._layout = config, _kv_layout(config, model.dtype, kv_dtype)
         self.eos = _eos_ids(model, tokenizer)
         self._lock = threading.Condition()  # guards the waiting queue (submit never waits for a step)
         self._state = threading.Lock()  # held by a step while it changes the batches; stats() reads under it
@@ -311,7 +311,19 @@ class Engine:
 
     # -- memory accounting ---------------------------------------------------------------------------------
     def _slots(self, policy: Policy, prompt_len: int, max_tokens: int) -> tuple[int, int]:
-        """(slots per layer and KV head while decoding, most slots while its prompt goes in)."""
+        """(slots per layer and KV head while decoding, most slots while its prompt goes in).
+
+        With per-layer budgets (`LayerBudgets`) it is the mean over layers, rounded up, of each layer's
+        own count, so that slots x `_layout` covers every layer's slots, not the mean budget's.
+        """
+        layers = int(self._config.num_hidden_layers)
+        own = [policy.for_layer(i, self._config) for i in range(layers)]
+        if all(p is policy for p in own):
+            return self._layer_slots(policy, prompt_len, max_tokens)
+        counts = [self._layer_slots(p, prompt_len, max_tokens) for p in own]
+        return -(-sum(c[0] for c in counts) // layers), -(-sum(c[1] for c in counts) // layers)
+
+    def _layer_slots(self, policy: Policy, prompt_len: int, max_tokens: int) -> tuple[int, int]:
         capacity = policy.capacity(torch.tensor([prompt_len]))
         if self.mode == "mask":  # nothing is freed: every token keeps its slot
             return prompt_len + max_tokens, prompt_len

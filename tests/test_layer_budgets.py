@@ -132,3 +132,32 @@ def test_engine_batches_per_layer_budgets_like_solo_runs():
     engine.run()
     assert [h.result().token_ids for h in handles] == solo
     assert engine.kv_bytes_in_use() == 0
+
+
+@pytest.mark.parametrize("budget", [7, 0.3])  # 7 tokens: the layers' rounded shares sum to more than 3 x 7
+@pytest.mark.parametrize("schedule", ["globalkv", "pyramidkv"])
+def test_engine_admission_counts_each_layers_own_slots(schedule, budget):
+    """A request's admission size covers what its cache really holds with per-layer budgets (each layer
+    rounds its own share), and exceeds it by less than one slot per layer."""
+    from h2o_kv.engine import Engine
+    from h2o_kv.generation import forward
+
+    from conftest import make_tokenizer
+
+    model = make_model("gemma3")
+    engine = Engine(model, make_tokenizer(), policy=schedule, budget=budget)
+    policy, config = engine.resolve_policy(), model.config
+    prompt, new = 37, 6
+    reserved = engine.kv_bytes_for(prompt, new, policy)
+    cache, peak = h2o_kv.KVCache(policy), 0
+    with torch.no_grad():
+        tokens = random_ids(1, prompt)
+        for _ in range(new):
+            tokens = forward(model, cache, tokens).argmax(-1, keepdim=True)
+            peak = max(peak, cache.nbytes())
+    layers = config.num_hidden_layers
+    per_layer_slot = engine._layout // layers
+    exact = sum(
+        min(int(policy.for_layer(i, config).capacity(torch.tensor([prompt]))), prompt + new) + 1 for i in range(layers)
+    )
+    assert peak <= exact * per_layer_slot <= reserved < (exact + layers) * per_layer_slot

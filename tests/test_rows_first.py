@@ -69,3 +69,20 @@ def test_outputs_are_contiguous_like_nn_linear():
     with torch.no_grad():
         out = swapped(torch.randn(4, 1, 48))
     assert out.is_contiguous() and out.stride()[-1] == 1
+
+
+def test_engine_with_rows_first_batches_like_solo_runs():
+    """`h2o-kv serve --rows-first`: requests decoding together get their solo tokens (the product order
+    is per row, whatever the batch)."""
+    from h2o_kv.engine import Engine
+
+    from conftest import make_tokenizer
+
+    model = make_model("llama")
+    assert use_rows_first(model) > 0
+    engine = Engine(model, make_tokenizer(), policy="h2o", budget=0.5, max_batch=MAX_ROWS)
+    prompts = [random_ids(1, 10 + 7 * i, seed=i)[0].tolist() for i in range(5)]
+    solo = [engine.generate(ids, max_tokens=8).token_ids for ids in prompts]
+    handles = [engine.submit(ids, max_tokens=8) for ids in prompts]
+    engine.run()
+    assert [h.result().token_ids for h in handles] == solo

@@ -67,7 +67,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..engine import Engine
     from ..models import load_model
 
-    model, tokenizer = load_model(args.model, device=args.device)
+    model, tokenizer = load_model(args.model, device=args.device, rows_first=args.rows_first)
     engine = Engine(model, tokenizer, **settings)
     app = create_app(engine, args.served_model_name or served_name(args.model))
     Server.for_app(app, engine, host=args.host, port=args.port, drain_timeout=args.drain_timeout,
@@ -101,6 +101,11 @@ def add_parser(sub) -> None:
     serve.add_argument("--max-batch", type=int, default=16, help="most sequences decoding together (default 16)")
     serve.add_argument(
         "--prefill-chunk", type=int, default=256, help="prompt tokens per prefill step between decode steps"
+    )
+    serve.add_argument(
+        "--rows-first",
+        action="store_true",
+        help="compute the linear layers weight-first at up to 16 rows on CPU (faster decoding; h2o_kv.rows_first)",
     )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)

@@ -2,7 +2,7 @@
 
 A decode step multiplies a few rows x (one per sequence) by every weight matrix W of the model.
 `nn.Linear` computes x @ W^T; MKL's float32 GEMM reads W about half as fast that way as when W is
-the left operand, (W @ x^T)^T, at 1-16 rows on the 2-core CPU this project benchmarks on
+the left operand, (W @ x^T)^T, at 2-16 rows (the same at 1) on the 2-core CPU this project benchmarks on
 (`results/bench-static/probes/linear_order.txt`: one H2O decode step of SmolLM2 at batch 4, 158 ms
 against 108 ms). The values are the same products summed in another order (float rounding apart).
 

@@ -14,6 +14,7 @@ call); a finished or cancelled request leaves it and its rows are freed.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import deque
 
@@ -63,6 +64,7 @@ class Engine:
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.context_limit = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
         self._config, self._layout = config, _kv_layout(config, model.dtype, kv_dtype)
+        self._layer_policies = functools.lru_cache(maxsize=256)(self._own_policies)  # admission runs every step
         self.eos = _eos_ids(model, tokenizer)
         self._lock = threading.Condition()  # guards the waiting queue (submit never waits for a step)
         self._state = threading.Lock()  # held by a step while it changes the batches; stats() reads under it
@@ -316,12 +318,16 @@ class Engine:
         With per-layer budgets (`LayerBudgets`) it is the mean over layers, rounded up, of each layer's
         own count, so that slots x `_layout` covers every layer's slots, not the mean budget's.
         """
-        layers = int(self._config.num_hidden_layers)
-        own = [policy.for_layer(i, self._config) for i in range(layers)]
-        if all(p is policy for p in own):
+        own = self._layer_policies(policy)
+        if own is None:
             return self._layer_slots(policy, prompt_len, max_tokens)
         counts = [self._layer_slots(p, prompt_len, max_tokens) for p in own]
-        return -(-sum(c[0] for c in counts) // layers), -(-sum(c[1] for c in counts) // layers)
+        return -(-sum(c[0] for c in counts) // len(own)), -(-sum(c[1] for c in counts) // len(own))
+
+    def _own_policies(self, policy: Policy) -> tuple[Policy, ...] | None:
+        """Each layer's own policy, or None when every layer keeps `policy` itself."""
+        own = tuple(policy.for_layer(i, self._config) for i in range(int(self._config.num_hidden_layers)))
+        return None if all(p is policy for p in own) else own
 
     def _layer_slots(self, policy: Policy, prompt_len: int, max_tokens: int) -> tuple[int, int]:
         capacity = policy.capacity(torch.tensor([prompt_len]))

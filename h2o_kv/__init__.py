@@ -7,7 +7,7 @@ model.generate(**inputs, past_key_values=cache, max_new_tokens=200)
 
 from .attention import enable, is_enabled
 from .cache import KVCache
-from .policies import H2O, TOVA, Full, LayerBudgets, Local, Policy, Sinks, SnapKV, StreamingLLM
+from .policies import H2O, TOVA, AdaKV, Full, LayerBudgets, Local, Policy, Sinks, SnapKV, StreamingLLM
 
 
 def load_model(*args, **kwargs):
@@ -28,6 +28,7 @@ __all__ = [
     "StreamingLLM",
     "TOVA",
     "SnapKV",
+    "AdaKV",
     "LayerBudgets",
     "Sinks",
     "Full",

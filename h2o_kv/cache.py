@@ -14,6 +14,7 @@ from transformers.cache_utils import Cache
 from .attention import hand_off, take_forward_mark
 from .layer import KVLayer, Mode, Settings
 from .policies import MAX_TOKENS, Policy
+from .pooled import PooledKVLayer
 from .quant import check_kv_dtype
 
 __all__ = ["KVCache", "KVLayer", "Mode"]
@@ -58,7 +59,8 @@ class KVCache(Cache):
     prefill_chunk = property(lambda self: self.settings.prefill_chunk)
 
     def _new_layer(self) -> KVLayer:
-        return KVLayer(self.settings, len(self.layers))
+        layer = PooledKVLayer if self.settings.policy.head_pooled else KVLayer
+        return layer(self.settings, len(self.layers))
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         previous = hand_off(None, key_states)
@@ -142,7 +144,7 @@ class KVCache(Cache):
 
 def check_continues(layer: KVLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
     """Refuse, before anything changes, a call that cannot continue what `layer` holds."""
-    mine, theirs = (layer.keys.shape[0], *layer.keys.shape[1::2]), (keys.shape[0], *keys.shape[1::2])
+    mine, theirs = (layer.keys.shape[0], layer.kv_heads, layer.keys.shape[3]), (keys.shape[0], *keys.shape[1::2])
     if mine[0] != theirs[0]:
         raise ValueError(
             f"this KVCache holds {mine[0]} sequences but got a batch of {theirs[0]}: a cache belongs to one "

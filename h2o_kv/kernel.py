@@ -30,6 +30,8 @@ def attend(
     score_from: int = 0,
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
+    slot_head: torch.Tensor | None = None,
+    query_head: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Attention of new queries over cache slots, per KV head, returning what the policies need.
 
@@ -43,11 +45,15 @@ def attend(
     observation window), and the attention from the last query averaged over
     the group's heads [B, H, S]. Queries go in blocks so no [n x S] matrix is materialised.
     int8 keys/values come with their per-slot scales `key_scale`/`value_scale` [B, H, S] (quant.py).
+    A head-pooled layer (one storage row shared by the KV heads, pooled.py) gives each slot's KV head
+    `slot_head` [B, 1, S] and each query head's KV head `query_head` [H, G] (h for row h): a query sees only its own
+    head's slots, so the scores summed over the "group" (every query head) count the slot's own group.
     """
     batch, q_heads, n, dim = q.shape
     if n == 1 and window is None and not has_padding:
         return attend_one(q, keys, values, pos, scaling=scaling, softcap=softcap, want_scores=want_scores,
-                          want_last=want_last, key_scale=key_scale, value_scale=value_scale)  # fmt: skip
+                          want_last=want_last, key_scale=key_scale, value_scale=value_scale,
+                          slot_head=slot_head, query_head=query_head)  # fmt: skip
     if key_scale is not None:  # a prompt or chunk: one dequantized copy, shared by the query blocks
         keys, values = dequantize(keys, key_scale, q.dtype), dequantize(values, value_scale, q.dtype)
     kv_heads, slots = keys.shape[1], keys.shape[2]
@@ -84,6 +90,8 @@ def attend(
                 hidden = (block_pos < 0) | (block_pos > t)
                 if window is not None:
                     hidden = hidden | (block_pos <= t - window)
+            if slot_head is not None:  # [B, 1, Hq, 1, S']: another head's slot
+                hidden = hidden | (slot_head[:, :, None, None, :width] != query_head.view(1, 1, -1, 1, 1))
             logits.masked_fill_(hidden, float("-inf"))
         # Unnormalised softmax: exp in place, then divide the (small) outputs and score weights by
         # the row sums instead of normalising the big [queries x slots] matrix.
@@ -103,7 +111,7 @@ def attend(
             rows = weights.view(batch, kv_heads, group, stop - start, width)[:, :, :, -1]
             probs_last = rows * inv_sum.view(batch, kv_heads, group, stop - start, 1)[:, :, :, -1]
             last = torch.zeros_like(pos, dtype=torch.float32)
-            last[..., :width] = probs_last.mean(dim=2)
+            last[..., :width] = probs_last.mean(dim=2) * (1 if slot_head is None else query_head.shape[0])
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
     return out.transpose(1, 2).contiguous(), scores, last
 
@@ -120,6 +128,8 @@ def attend_one(
     want_last: bool = False,
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
+    slot_head: torch.Tensor | None = None,
+    query_head: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`attend` for one query per sequence that sees every kept token (a decode step): few kernels.
 
@@ -131,11 +141,15 @@ def attend_one(
     batch, q_heads, _, dim = q.shape
     kv_heads, slots = keys.shape[1], keys.shape[2]
     group = q_heads // kv_heads
-    hidden = pos < 0  # empty slots
-    bias = torch.where(hidden, float("-inf"), 0.0) if softcap is None else None  # [B, H, S] float32
+    hidden = (pos < 0)[:, :, None]  # empty slots, [B, H, 1, S]
+    if slot_head is not None:  # head-pooled storage: and the other heads' slots, [B, 1, Hq, S]
+        hidden = hidden | (slot_head[:, :, None] != query_head.view(1, 1, -1, 1))
+    bias = torch.where(hidden, float("-inf"), 0.0) if softcap is None else None  # float32
     fused = bias is not None and key_scale is None  # the mask rides in the matmul: one pass less over the logits
     logits = torch.baddbmm(
-        (bias.to(q.dtype).view(-1, 1, slots) if fused else q.new_zeros(1, 1, 1)).expand(batch * kv_heads, group, slots),
+        (bias.to(q.dtype).view(batch * kv_heads, -1, slots) if fused else q.new_zeros(1, 1, 1)).expand(
+            batch * kv_heads, group, slots
+        ),
         q.reshape(batch * kv_heads, group, dim),
         keys.reshape(batch * kv_heads, slots, dim).to(q.dtype).mT,
         beta=1.0 if fused else 0.0,
@@ -143,13 +157,16 @@ def attend_one(
     ).view(batch, kv_heads, group, slots)
     if key_scale is not None:  # int8 keys: q.k_j = s_j (q.k8_j), and the mask added in the same kernel
         scale = key_scale[:, :, None]
-        logits = logits.float() * scale if bias is None else torch.addcmul(bias[:, :, None], logits.float(), scale)
+        logits = logits.float() * scale if bias is None else torch.addcmul(bias, logits.float(), scale)
     if softcap is not None:
         logits = torch.tanh(logits.float() / softcap) * softcap
-        logits.masked_fill_(hidden[:, :, None], float("-inf"))
+        logits.masked_fill_(hidden, float("-inf"))
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [B, H, G, S]
     weights = probs if value_scale is None else probs * value_scale[:, :, None]
     out = torch.matmul(weights.to(q.dtype), values.to(q.dtype))  # [B, H, G, D]
     scores = probs.sum(dim=2) if want_scores else None
     last = probs.mean(dim=2) if want_last else None
+    if last is not None and slot_head is not None:
+        last = last * query_head.shape[0]  # a mean over the group, not over every query head
     return out.view(batch, 1, q_heads, values.shape[-1]), scores, last
+

@@ -24,7 +24,8 @@ from .settings import Mode, PaddingMemo, Settings
 __all__ = ["KVLayer", "Mode", "PaddingMemo", "Settings", "GROWTH"]
 
 GROWTH = 256  # slots added at a time to an unbounded (Full) cache
-SLOT_FIELDS = ("keys", "values", "pos", "score", "last", "key_scale", "value_scale")  # [B, H, S, ...], or None
+SLOT_FIELDS = ("keys", "values", "pos", "score", "last", "key_scale", "value_scale", "head")  # [B, H, S, ...], or None
+EXTRA_FIELDS = ("last", "key_scale", "value_scale", "head")  # slot fields only some caches have
 ROW_FIELDS = ("next_pos", "prompt_len", "capacity")  # per-sequence tensors, [B, ...]
 
 
@@ -34,6 +35,8 @@ class KVLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
     is_croppable = False
+    spare = 1  # slots one decode step adds before it evicts (the incoming token's)
+    head = None  # [B, 1, S] KV head of each slot in a head-pooled layer (pooled.py); None here
 
     def __init__(self, settings: Settings, layer_idx: int) -> None:
         super().__init__()
@@ -46,6 +49,7 @@ class KVLayer(CacheLayerMixin):
     # -- transformers' layer interface ---------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, dim = key_states.shape
+        self.kv_heads = heads
         self.dtype, self.device = key_states.dtype, key_states.device
         store = torch.int8 if self.settings.kv_dtype == "int8" else key_states.dtype
         self.keys = key_states.new_zeros(batch, heads, 0, dim, dtype=store)
@@ -125,14 +129,14 @@ class KVLayer(CacheLayerMixin):
         self.batch_select_indices(rows)
         self._refresh_bounds()
         if self.settings.mode == "drop":
-            self._compact(self.kept_bound + 1 if self.pos.shape[0] else 0)
+            self._compact(self.kept_bound + self.spare if self.pos.shape[0] else 0)
 
     def append_rows(self, other: KVLayer) -> None:
         """Add the sequences of another layer (same model and policy) after this layer's rows."""
         if not other.is_initialized or other.prompt_len is None:
             raise ValueError("only sequences whose prompt has been through the cache can join a batch")
         if not self.is_initialized:
-            copied = ("dtype", "device", "policy", "used", "seen", "kept_bound", "decoded")
+            copied = ("dtype", "device", "policy", "used", "seen", "kept_bound", "decoded", "kv_heads", "spare")
             for name in (*copied, *SLOT_FIELDS, *ROW_FIELDS):
                 setattr(self, name, getattr(other, name))
             self.is_initialized = True
@@ -144,7 +148,7 @@ class KVLayer(CacheLayerMixin):
                 f"vs {tuple(self.keys.shape[1::2])}"
             )
         width = max(self.keys.shape[2], other.keys.shape[2])
-        fills = {"keys": 0, "values": 0, "pos": -1, "score": 0, "last": 0, "key_scale": 0, "value_scale": 0}
+        fills = {"keys": 0, "values": 0, "pos": -1, "score": 0, "last": 0, "key_scale": 0, "value_scale": 0, "head": 0}
         for name in SLOT_FIELDS:
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine is None:
@@ -168,7 +172,7 @@ class KVLayer(CacheLayerMixin):
         empty = self.pos.shape[0] == 0
         if self.capacity is not None and not empty:
             self.max_capacity, self.min_capacity = int(self.capacity.max()), int(self.capacity.min())
-        self.kept_bound = 0 if empty else int(self.kept().max())
+        self.kept_bound = 0 if empty else int(self.occupied().max())
 
     # -- the work: insert, attend, evict ---------------------------------------------------------------
     def forward_attention(
@@ -233,6 +237,7 @@ class KVLayer(CacheLayerMixin):
                 score_from=0 if observed is None else max(0, stop - start - observed),
                 key_scale=self.key_scale,
                 value_scale=self.value_scale,
+                **self.attend_options(),
             )
             if scores is not None:
                 self._add_scores(scores, stop - start, observed=observed is not None, new_from=new_from)
@@ -276,9 +281,9 @@ class KVLayer(CacheLayerMixin):
         chunk), and every token in mask mode, go in order after every used slot, which lets
         attention skip the causal upper triangle. Returns that first slot, or None.
         """
-        batch, heads, n, dim = keys.shape
+        batch, heads, n, _ = keys.shape
         if self.settings.mode == "drop" and n == 1:
-            self._reserve(self.kept_bound + 1)
+            self._reserve(self.kept_bound + self.spare)
             slots = self.pos.argmin(-1, keepdim=True)  # the first empty slot (pos -1); _reserve left one
             first, self.used = None, self.keys.shape[2]  # the free slot may be anywhere
         else:
@@ -287,6 +292,12 @@ class KVLayer(CacheLayerMixin):
             slots = torch.arange(first, first + n, device=self.device).expand(batch, heads, n)
             self.used = first + n
         self.kept_bound += n
+        self._write(slots, keys, values, positions[:, None, :].expand(batch, heads, n))
+        return first
+
+    def _write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Store tokens [B, H, n, D] at their `slots` [B, H, n] with their `positions` [B, H, n] and a zero score."""
+        dim = keys.shape[-1]
         if self.key_scale is not None:  # int8 storage: quantize on the way in
             if keys.shape == values.shape:  # one quantize call for both (a decode step is kernel-bound)
                 (keys, values), (key_scale, value_scale) = quantize(torch.stack((keys, values)))
@@ -296,11 +307,10 @@ class KVLayer(CacheLayerMixin):
             self.value_scale.scatter_(2, slots, value_scale)
         self.keys.scatter_(2, slots[..., None].expand(-1, -1, -1, dim), keys)
         self.values.scatter_(2, slots[..., None].expand(-1, -1, -1, values.shape[-1]), values)
-        self.pos.scatter_(2, slots, positions[:, None, :].expand(batch, heads, n))
+        self.pos.scatter_(2, slots, positions)
         self.score.scatter_(2, slots, 0.0)
         if self.last is not None:
             self.last.scatter_(2, slots, 0.0)
-        return first
 
     def _reserve(self, needed: int) -> None:
         """Grow the slot storage to at least `needed` slots (in blocks when unbounded)."""
@@ -314,7 +324,7 @@ class KVLayer(CacheLayerMixin):
         self.values = _grow(self.values, extra, 0)
         self.pos = _grow(self.pos, extra, -1)
         self.score = _grow(self.score, extra, 0)
-        for name in ("last", "key_scale", "value_scale"):
+        for name in EXTRA_FIELDS:
             if getattr(self, name) is not None:
                 setattr(self, name, _grow(getattr(self, name), extra, 0))
 
@@ -327,17 +337,17 @@ class KVLayer(CacheLayerMixin):
         next_pos = next_pos.view(-1, 1, 1)
         if window is not None:  # sliding layer: tokens out of the window are never seen again
             self._free((self.pos >= 0) & (self.pos <= next_pos - window))
-            self.kept_bound = int(self.kept().max())
+            self.kept_bound = int(self.occupied().max())
         if self.capacity is None or self.kept_bound <= self.min_capacity:
             shrink = window is not None and added > 1 and self.settings.mode == "drop"
-            if shrink and self.keys.shape[2] > self.kept_bound + 1:
-                self._compact(self.kept_bound + 1)  # the window freed more than the policy would have
+            if shrink and self.keys.shape[2] > self.kept_bound + self.spare:
+                self._compact(self.kept_bound + self.spare)  # the window freed more than the policy would have
             return
         valid = self.pos >= 0
         excess = valid.sum(-1) - self.capacity  # [B, H]
         state = SlotState(self.pos, self.score, self.last, next_pos, self.prompt_len)
         priority = torch.where(valid, self.policy.priority(state), float("inf"))
-        if added == 1:  # decoding: every head was within capacity, so at most one token to drop
+        if added == 1 and self.spare == 1:  # decoding: every head was within capacity, so at most one token to drop
             lowest = priority.amin(-1, keepdim=True)
             oldest = torch.where(priority == lowest, self.pos, torch.iinfo(torch.int64).max)
             victim = oldest.argmin(-1, keepdim=True)  # [B, H, 1]: the oldest of the lowest
@@ -357,8 +367,8 @@ class KVLayer(CacheLayerMixin):
         evict = valid & (rank < excess.unsqueeze(-1))
         self._free(evict)
         self.kept_bound = min(self.kept_bound, self.max_capacity)
-        if self.settings.mode == "drop" and self.keys.shape[2] > self.max_capacity + 1:
-            self._compact(self.max_capacity + 1)
+        if self.settings.mode == "drop" and self.keys.shape[2] > self.max_capacity + self.spare:
+            self._compact(self.max_capacity + self.spare)
 
     def _free(self, mask: torch.Tensor) -> None:
         self.pos.masked_fill_(mask, -1)
@@ -374,7 +384,7 @@ class KVLayer(CacheLayerMixin):
         self.values = self.values.gather(2, order[..., None].expand(-1, -1, -1, self.values.shape[-1]))
         self.pos = self.pos.gather(2, order)
         self.score = self.score.gather(2, order)
-        for name in ("last", "key_scale", "value_scale"):
+        for name in EXTRA_FIELDS:
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name).gather(2, order))
         self.used = min(self.kept_bound, slots)
@@ -382,10 +392,18 @@ class KVLayer(CacheLayerMixin):
     # -- inspection ----------------------------------------------------------------------------------
     def kept(self) -> torch.Tensor:
         """Tokens kept per (sequence, KV head), [B, H]."""
+        return self.occupied()
+
+    def occupied(self) -> torch.Tensor:
+        """Used slots per row of the storage, [B, H] (a head-pooled layer has one row per sequence)."""
         return (self.pos >= 0).sum(-1)
 
+    def attend_options(self) -> dict:
+        """Extra arguments of `kernel.attend` for this layer's storage (a head-pooled layer's slot heads)."""
+        return {}
+
     def nbytes(self) -> int:
-        tensors = (self.keys, self.values, self.pos, self.score, self.last, self.key_scale, self.value_scale)
+        tensors = (self.keys, self.values, self.pos, self.score, self.last, self.key_scale, self.value_scale, self.head)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 

@@ -35,6 +35,22 @@ def choose_victim(rule: str, kept: list[Token], params: dict, next_pos: int = 0)
     raise ValueError(rule)
 
 
+def pooled_victim_head(rule: str, kept: list[list[Token]], params: dict, next_pos: int) -> int:
+    """AdaKV: the head whose own next victim ranks lowest over the whole layer (ties: older, then lower head)."""
+    best = None
+    for h, tokens in enumerate(kept):
+        try:
+            tok = choose_victim(rule, tokens, params, next_pos)
+        except (ValueError, StopIteration):  # nothing this head may lose (all protected)
+            continue
+        if rule in ("h2o", "snapkv"):
+            key = (tok.score / (next_pos - tok.pos) if params.get("normalize") else tok.score, tok.pos, h)
+        else:
+            key = (tok.last, tok.pos, h) if rule == "tova" else (tok.pos, h)
+        best = min(best, key) if best is not None else key
+    return best[-1]
+
+
 def reference_layer(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -103,7 +119,10 @@ def reference_layer(
                 tok.score += pooled[h][tok.pos]
             if window is not None:
                 kept[h] = [tok for tok in kept[h] if tok.pos > new[-1] + 1 - window]
-            while len(kept[h]) > capacity:
+            while not params.get("pooled") and len(kept[h]) > capacity:
                 kept[h].remove(choose_victim(rule, kept[h], params, next_pos=new[-1] + 1))
+        while params.get("pooled") and sum(map(len, kept)) > capacity * kv_heads:  # AdaKV: the layer's lowest
+            h = pooled_victim_head(rule, kept, params, next_pos=new[-1] + 1)
+            kept[h].remove(choose_victim(rule, kept[h], params, next_pos=new[-1] + 1))
         start += size
     return out, [sorted(tok.pos for tok in head) for head in kept]

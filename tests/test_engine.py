@@ -19,6 +19,7 @@ SPECS = [
     dict(policy="h2o", budget=12),
     dict(policy="tova", budget=0.5),
     dict(policy="streamingllm", budget=10),
+    dict(policy="adakv", budget=0.3),
 ]
 
 

@@ -7,6 +7,7 @@ import torch
 
 import h2o_kv
 from h2o_kv.layer import KVLayer, Settings
+from h2o_kv.pooled import PooledKVLayer
 
 from reference import reference_layer
 
@@ -32,7 +33,8 @@ def causal_mask(real: torch.Tensor) -> torch.Tensor:
 
 def run_layer(policy, q, k, v, chunks, *, real=None, mode="drop", prefill_chunk=None, window=None):
     """Drive one cache layer the way a model's attention does: update, then attention."""
-    layer = KVLayer(Settings(policy, mode, prefill_chunk), 0)
+    settings = Settings(policy, mode, prefill_chunk)
+    layer = (PooledKVLayer if policy.head_pooled else KVLayer)(settings, 0)
     batch, total = q.shape[0], q.shape[2]
     real = torch.ones(batch, total, dtype=torch.bool) if real is None else real
     outs, start = [], 0
@@ -50,6 +52,9 @@ def run_layer(policy, q, k, v, chunks, *, real=None, mode="drop", prefill_chunk=
 
 def kept_positions(layer, row: int = 0) -> list[list[int]]:
     pos = layer.pos[row]
+    if layer.head is not None:  # a head-pooled layer: one row, each slot tagged with its KV head
+        tags = layer.head[row, 0]
+        return [sorted(int(p) for p in pos[0][(tags == h) & (pos[0] >= 0)]) for h in range(layer.kv_heads)]
     return [sorted(int(p) for p in head[head >= 0]) for head in pos]
 
 

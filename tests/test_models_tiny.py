@@ -15,12 +15,15 @@ BIG = [
     h2o_kv.Local(window=64),
     h2o_kv.StreamingLLM(sinks=4, window=60),
     h2o_kv.TOVA(budget=64),
+    h2o_kv.AdaKV(h2o_kv.SnapKV(budget=64)),
 ]
 SMALL = [
     h2o_kv.H2O(heavy=4, recent=4),
     h2o_kv.Local(window=8),
     h2o_kv.StreamingLLM(sinks=2, window=6),
     h2o_kv.TOVA(budget=8),
+    h2o_kv.AdaKV(h2o_kv.H2O(heavy=4, recent=4)),
+    h2o_kv.AdaKV(h2o_kv.SnapKV(budget=8, window=4, pool=3)),
 ]
 
 

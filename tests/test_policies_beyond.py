@@ -8,7 +8,7 @@ import torch
 from test_eviction import kept_positions, random_qkv, run_layer
 
 import h2o_kv
-from h2o_kv.policies import Sinks, SnapKV, build
+from h2o_kv.policies import AdaKV, Sinks, SnapKV, build
 
 from conftest import make_model, random_ids
 from reference import reference_layer
@@ -24,6 +24,12 @@ POLICIES = {
     "sinks_tova": (Sinks(h2o_kv.TOVA(budget=4), sinks=1), "tova", 4, {"protect": 1}),
     "sinks_snapkv": (Sinks(SnapKV(budget=6, window=4, pool=3), sinks=1), "snapkv", 6,
                      {"recent": 3, "observe": 4, "pool": 3, "protect": 1}),
+    "adakv_snapkv": (AdaKV(SnapKV(budget=6, window=4, pool=3)), "snapkv", 6,
+                     {"recent": 3, "observe": 4, "pool": 3, "pooled": True}),
+    "adakv_h2o": (AdaKV(h2o_kv.H2O(heavy=3, recent=2)), "h2o", 5, {"recent": 2, "pooled": True}),
+    "adakv_tova": (AdaKV(h2o_kv.TOVA(budget=4)), "tova", 4, {"pooled": True}),
+    "adakv_sinks_h2o": (AdaKV(Sinks(h2o_kv.H2O(heavy=3, recent=2), sinks=2)), "h2o", 5,
+                        {"recent": 2, "protect": 2, "pooled": True}),
 }  # fmt: skip
 SCHEDULES = {
     "token_by_token": [1] * 16,
@@ -82,3 +88,28 @@ def test_builder_names_and_bad_options():
             bad()
     with pytest.raises(TypeError, match="Sinks wraps one"):
         Sinks("h2o")
+
+
+def test_adakv_heads_share_the_layer_budget_in_the_memory_of_a_uniform_one():
+    """AdaKV keeps heads x budget tokens per layer, split unevenly by score, in a uniform policy's bytes."""
+    model, ids = make_model("llama"), random_ids(2, 48)
+    uniform, pooled = h2o_kv.KVCache(SnapKV(budget=8)), h2o_kv.KVCache(AdaKV(SnapKV(budget=8)))
+    with torch.no_grad():
+        for cache in (uniform, pooled):
+            model(ids, past_key_values=cache, use_cache=True)
+            model(ids[:, :1], past_key_values=cache, use_cache=True)  # one decode step: add, then evict
+    kept = pooled.kept_per_head()  # [layers, batch, kv heads]
+    heads = kept.shape[-1]
+    assert heads > 1 and bool((kept.sum(-1) == 8 * heads).all())
+    assert int(kept.max()) > 8 and int(kept.min()) < 8  # the heads did not get equal shares
+    assert bool((uniform.kept_per_head() == 8).all())
+    tags = sum(layer.head.numel() for layer in pooled.layers)  # one int8 head tag per slot
+    assert pooled.nbytes() == uniform.nbytes() + tags
+
+
+def test_adakv_refuses_what_means_nothing():
+    with pytest.raises(TypeError, match="AdaKV wraps one"):
+        AdaKV("snapkv")
+    with pytest.raises(ValueError, match="shared=True"):
+        AdaKV(SnapKV(budget=8, shared=True))
+    assert build("adakv", 0.2) == AdaKV(SnapKV(budget=0.2))

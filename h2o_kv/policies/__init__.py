@@ -1,5 +1,6 @@
 """Eviction policies: what to evict. One small file per policy."""
 
+from .adakv import AdaKV
 from .base import MAX_TOKENS, Policy, SlotState
 from .full import Full
 from .h2o import H2O
@@ -20,6 +21,7 @@ __all__ = [
     "StreamingLLM",
     "TOVA",
     "SnapKV",
+    "AdaKV",
     "Sinks",
     "LayerBudgets",
     "NAMES",
@@ -32,7 +34,7 @@ __all__ = [
     "is_fraction",
 ]
 
-NAMES = ("h2o", "snapkv", "pyramidkv", "globalkv", "local", "streamingllm", "tova", "full")
+NAMES = ("h2o", "snapkv", "adakv", "pyramidkv", "globalkv", "local", "streamingllm", "tova", "full")
 DEFAULT = "globalkv"  # the default of generate, demo, the engine and serve: the best in results/beyond
 
 Budget = float | int | None  # None: the Full cache
@@ -101,6 +103,7 @@ def build(name: str, budget: Budget = None, *, sinks: int = 4) -> Policy:
     (budget - 1 when the budget is smaller) and a window of the rest. "full" takes no budget.
     "pyramidkv" and "globalkv" are SnapKV with per-layer budgets averaging `budget` (LayerBudgets:
     PyramidKV's schedule; sliding-window layers giving their budget to full-attention layers).
+    "adakv" is SnapKV with each layer's budget shared by its KV heads (AdaKV: heads x budget per layer).
     """
     key = str(name).lower().replace("-", "").replace("_", "")
     if key not in NAMES:
@@ -120,6 +123,8 @@ def build(name: str, budget: Budget = None, *, sinks: int = 4) -> Policy:
         return TOVA(budget=budget)
     if key == "snapkv":
         return SnapKV(budget=budget)
+    if key == "adakv":
+        return AdaKV(SnapKV(budget=budget))
     if key in ("pyramidkv", "globalkv"):
         return LayerBudgets(SnapKV(budget=budget), "pyramid" if key == "pyramidkv" else "global")
     return StreamingLLM(sinks=sinks, budget=budget)

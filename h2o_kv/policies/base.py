@@ -37,6 +37,7 @@ class Policy:
     score_pool: ClassVar[int] = 1  # ... max-pooled over that many neighbouring kept tokens (by position)
     decay: ClassVar[float] = 1.0  # kept scores are multiplied by decay**n before a call of n queries adds to them
     score_shared: ClassVar[bool] = False  # ... and shared by a layer's KV heads: each token gets the heads' max
+    head_pooled: ClassVar[bool] = False  # a layer's KV heads share heads x capacity slots (AdaKV, pooled.py)
 
     def capacity(self, prompt_len: torch.Tensor) -> torch.Tensor | None:
         """Most tokens kept per (sequence, KV head), one value per sequence; None means unbounded."""
@@ -67,6 +68,7 @@ class Wrapper(Policy):
     score_pool = property(lambda self: self.inner.score_pool)  # type: ignore[assignment]
     decay = property(lambda self: self.inner.decay)  # type: ignore[assignment]
     score_shared = property(lambda self: self.inner.score_shared)  # type: ignore[assignment]
+    head_pooled = property(lambda self: self.inner.head_pooled)  # type: ignore[assignment]
 
 
 def check_budget(name: str, value: int | None, *, allow_zero: bool = False) -> None:

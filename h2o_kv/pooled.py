@@ -1,0 +1,106 @@
+"""A head-pooled layer (Ada-KV's storage): one row of slots per sequence, shared by the layer's KV heads.
+
+`KVLayer` stores [batch, KV heads, slots], so every head holds as many slots as the fullest one. For
+`AdaKV` the heads of a layer share `heads x capacity` slots, as unevenly as their scores say, and
+the memory must follow the total, not the largest head. This layer stores the same tensors with a
+single "virtual" KV head, [batch, 1, heads x (capacity + 1)], and tags each slot with its real head
+(`head`, int8). Everything else is `KVLayer`'s:
+
+- a call's n new tokens become n x heads slots (token-major), each with its token's position;
+- every query head attends over the whole row with the other heads' slots masked (`kernel.attend`'s
+  `slot_head`), so the scores summed over the row's "group" (all query heads) are exactly what each
+  slot's own query heads paid;
+- eviction ranks the row: the lowest-priority `excess` slots go, whichever head holds them, which is
+  Ada-KV's layer-wide top-k selection (a decode step adds and then evicts `heads` slots).
+
+The price against `KVLayer`: the attention logits are computed for every (query head, slot) pair, heads
+times the products of a uniform layer (the slots are still read once), and a decode step's eviction
+sorts the row instead of taking one minimum per head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layer import KVLayer
+
+POS_SPAN = 1 << 40  # a position is below this (MAX_TOKENS), so head * POS_SPAN + pos orders by (head, pos)
+
+
+class PooledKVLayer(KVLayer):
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        heads = key_states.shape[1]
+        if heads > 127:
+            raise ValueError(f"a head-pooled layer tags slots with an int8 head: at most 127 KV heads, got {heads}")
+        super().lazy_initialization(key_states[:, :1], value_states[:, :1])
+        self.kv_heads = heads
+        self.spare = heads  # one slot per head for the incoming token
+        self.head = torch.zeros(key_states.shape[0], 1, 0, dtype=torch.int8, device=self.device)
+        self.query_head: torch.Tensor | None = None  # [heads, group], from the first query
+
+    def _fix_budget(self, prompt_len: torch.Tensor) -> None:
+        super()._fix_budget(prompt_len)
+        if self.capacity is not None:  # the mean per head times the heads: the row's total
+            self.capacity = self.capacity * self.kv_heads
+            self.max_capacity, self.min_capacity = self.max_capacity * self.kv_heads, self.min_capacity * self.kv_heads
+
+    def forward_attention(self, query: torch.Tensor, attention_mask, **kwargs) -> torch.Tensor:
+        if self.query_head is None:
+            group = query.shape[1] // self.kv_heads
+            self.query_head = torch.arange(self.kv_heads, device=self.device).repeat_interleave(group).view(-1, group)
+        return super().forward_attention(query, attention_mask, **kwargs)
+
+    def _insert(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """n new tokens [B, heads, n, D] take n x heads slots; returns None (attention masks by position)."""
+        batch, heads, n, dim = keys.shape
+        width = n * heads
+        keys = keys.transpose(1, 2).reshape(batch, 1, width, dim)
+        values = values.transpose(1, 2).reshape(batch, 1, width, values.shape[-1])
+        tags = torch.arange(heads, dtype=torch.int8, device=self.device).repeat(n).expand(batch, 1, width)
+        if self.settings.mode == "drop" and n == 1:  # decoding: the first `heads` free slots of each row
+            self._reserve(self.kept_bound + heads)
+            slots = torch.sort((self.pos >= 0).to(torch.uint8), dim=-1, stable=True).indices[..., :heads]
+            self.used = self.keys.shape[2]
+        else:
+            first = self.used
+            self._reserve(first + width)
+            slots = torch.arange(first, first + width, device=self.device).expand(batch, 1, width)
+            self.used = first + width
+        self.kept_bound += width
+        self.head.scatter_(2, slots, tags)
+        self._write(slots, keys, values, positions.repeat_interleave(heads, dim=1)[:, None])
+        return None
+
+    def append_rows(self, other: KVLayer) -> None:
+        if not self.is_initialized:
+            self.query_head = getattr(other, "query_head", None)
+        super().append_rows(other)
+
+    def attend_options(self) -> dict:
+        return {"slot_head": self.head, "query_head": self.query_head}
+
+    def _add_scores(self, scores: torch.Tensor, queries: int, observed: bool, new_from: int | None) -> None:
+        pool = self.policy.score_pool if observed else 1
+        if pool > 1:  # max over each head's own `pool` neighbouring tokens, then accumulate without pooling
+            scores = self._pool_by_head(scores, pool)
+            observed = False
+        super()._add_scores(scores, queries, observed, new_from)
+
+    def _pool_by_head(self, scores: torch.Tensor, pool: int) -> torch.Tensor:
+        """`KVLayer`'s neighbour pooling within each head: the row sorted by (head, position), each
+        slot's max over the `pool` slots around it that hold the same head."""
+        width = scores.shape[-1]
+        key = self.head[..., :width].to(torch.int64) * POS_SPAN + self.pos[..., :width]
+        order = torch.sort(key, dim=-1, stable=True).indices
+        reach = pool // 2
+        ranked = torch.nn.functional.pad(scores.gather(-1, order), (reach, reach), value=0.0)
+        heads = torch.nn.functional.pad(self.head[..., :width].gather(-1, order), (reach, reach), value=-1)
+        around = ranked.unfold(-1, pool, 1)  # [B, 1, width, pool]
+        same = heads.unfold(-1, pool, 1) == heads[..., reach : reach + width, None]
+        pooled = around.masked_fill(~same, 0.0).amax(-1)  # scores are >= 0
+        return torch.empty_like(scores).scatter_(-1, order, pooled)
+
+    def kept(self) -> torch.Tensor:
+        """Tokens kept per (sequence, real KV head), [B, heads]."""
+        counts = torch.zeros(self.pos.shape[0], self.kv_heads, dtype=torch.int64, device=self.device)
+        return counts.scatter_add_(1, self.head[:, 0].long(), (self.pos[:, 0] >= 0).long())

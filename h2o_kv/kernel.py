@@ -169,4 +169,3 @@ def attend_one(
     if last is not None and slot_head is not None:
         last = last * query_head.shape[0]  # a mean over the group, not over every query head
     return out.view(batch, 1, q_heads, values.shape[-1]), scores, last
-

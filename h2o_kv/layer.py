@@ -25,7 +25,6 @@ __all__ = ["KVLayer", "Mode", "PaddingMemo", "Settings", "GROWTH"]
 
 GROWTH = 256  # slots added at a time to an unbounded (Full) cache
 SLOT_FIELDS = ("keys", "values", "pos", "score", "last", "key_scale", "value_scale", "head")  # [B, H, S, ...], or None
-EXTRA_FIELDS = ("last", "key_scale", "value_scale", "head")  # slot fields only some caches have
 ROW_FIELDS = ("next_pos", "prompt_len", "capacity")  # per-sequence tensors, [B, ...]
 
 
@@ -148,13 +147,12 @@ class KVLayer(CacheLayerMixin):
                 f"vs {tuple(self.keys.shape[1::2])}"
             )
         width = max(self.keys.shape[2], other.keys.shape[2])
-        fills = {"keys": 0, "values": 0, "pos": -1, "score": 0, "last": 0, "key_scale": 0, "value_scale": 0, "head": 0}
         for name in SLOT_FIELDS:
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine is None:
                 continue
-            mine = _grow(mine, width - mine.shape[2], fills[name])
-            theirs = _grow(theirs, width - theirs.shape[2], fills[name])
+            fill = -1 if name == "pos" else 0
+            mine, theirs = _grow(mine, width - mine.shape[2], fill), _grow(theirs, width - theirs.shape[2], fill)
             setattr(self, name, torch.cat([mine, theirs]))
         for name in ROW_FIELDS:
             mine, theirs = getattr(self, name), getattr(other, name)
@@ -319,14 +317,9 @@ class KVLayer(CacheLayerMixin):
             return
         if self.max_capacity is None:
             needed = -(-needed // GROWTH) * GROWTH
-        extra = needed - have
-        self.keys = _grow(self.keys, extra, 0)
-        self.values = _grow(self.values, extra, 0)
-        self.pos = _grow(self.pos, extra, -1)
-        self.score = _grow(self.score, extra, 0)
-        for name in EXTRA_FIELDS:
+        for name in SLOT_FIELDS:
             if getattr(self, name) is not None:
-                setattr(self, name, _grow(getattr(self, name), extra, 0))
+                setattr(self, name, _grow(getattr(self, name), needed - have, -1 if name == "pos" else 0))
 
     def _evict(self, next_pos: torch.Tensor, window: int | None, added: int) -> None:
         """Free slots until every (sequence, head) holds at most `capacity` tokens.
@@ -379,14 +372,11 @@ class KVLayer(CacheLayerMixin):
     def _compact(self, slots: int) -> None:
         """Move kept tokens to the front and shrink storage to `slots` (after a prefill chunk)."""
         order = torch.sort((self.pos < 0).to(torch.uint8), dim=-1, stable=True).indices[..., :slots]
-        dim = self.keys.shape[-1]
-        self.keys = self.keys.gather(2, order[..., None].expand(-1, -1, -1, dim))
-        self.values = self.values.gather(2, order[..., None].expand(-1, -1, -1, self.values.shape[-1]))
-        self.pos = self.pos.gather(2, order)
-        self.score = self.score.gather(2, order)
-        for name in EXTRA_FIELDS:
-            if getattr(self, name) is not None:
-                setattr(self, name, getattr(self, name).gather(2, order))
+        for name in SLOT_FIELDS:
+            t = getattr(self, name)
+            if t is not None:  # [B, H, S] fields, and [B, H, S, D] keys and values
+                index = order if t.dim() == 3 else order[..., None].expand(-1, -1, -1, t.shape[-1])
+                setattr(self, name, t.gather(2, index))
         self.used = min(self.kept_bound, slots)
 
     # -- inspection ----------------------------------------------------------------------------------

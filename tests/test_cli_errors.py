@@ -170,3 +170,15 @@ def test_ctrl_c_stops_generation_cleanly(tmp_path):
     assert code == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     assert out.strip()  # the tokens generated before the interrupt were printed
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [(["--windows", "0"], "--windows"), (["--contexts", "10"], "--contexts"), (["--prefills", "both"], "--prefills")],
+)
+def test_bad_eval_sizes_exit_2_with_one_line_before_loading(argv, message, no_loading, capsys):
+    code = cli.main(["eval", "--tasks", "perplexity", *argv])
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and message in lines[0], captured.err
+    assert "Traceback" not in captured.err

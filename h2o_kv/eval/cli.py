@@ -60,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--chunk", type=int, default=None, help="tokens fed between evictions when streaming (1: token by token)")
     add("--contexts", default=None, help="retrieval context lengths, e.g. 1024,2048 (default: the size's)")
     add("--prefills", default=None, help="retrieval prefill settings: oneshot,stream (default: the size's)")
+    add("--windows", type=int, default=None, help="perplexity text windows (default: the size's)")
     add("--out", default="results/eval", help="output directory (tables and plots)")
     add("--seed", type=int, default=0)
     add("--threads", type=int, default=None, help="torch CPU threads")
@@ -91,6 +92,7 @@ def main(args: argparse.Namespace) -> int:
 
     from .run import run_eval
 
+    size = SIZES[args.size].with_contexts(_contexts(args.contexts), _prefills(args.prefills)).with_windows(args.windows)
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, device=args.device)
@@ -100,7 +102,7 @@ def main(args: argparse.Namespace) -> int:
         tasks=_list(args.tasks),
         policies=_list(args.policies),
         budgets=args.budgets,
-        size=SIZES[args.size].with_contexts(_contexts(args.contexts), _prefills(args.prefills)),
+        size=size,
         mode=args.mode,
         corpus=args.corpus,
         data=args.data,

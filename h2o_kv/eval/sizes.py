@@ -69,6 +69,14 @@ class Size:
             retrieval = replace(retrieval, prefills=prefills)
         return replace(self, retrieval=retrieval)
 
+    def with_windows(self, windows: int | None) -> Size:
+        """The same size with another number of perplexity windows."""
+        if windows is None:
+            return self
+        if isinstance(windows, bool) or not isinstance(windows, int) or windows < 1:
+            raise ValueError(f"--windows must be a count of text windows >= 1, got {windows!r}")
+        return replace(self, perplexity=replace(self.perplexity, windows=windows))
+
     def settings(self) -> dict[str, Any]:
         """The size as plain data, for the results' metadata."""
         return asdict(self)

@@ -23,6 +23,8 @@ variants = {
   "h2o_pyr20": h2o_kv.LayerBudgets(H2O(budget=cap), "pyramid", beta=20),
   "h2o_pyr2": h2o_kv.LayerBudgets(H2O(budget=cap), "pyramid", beta=2),
   "h2o_pyr1.3": h2o_kv.LayerBudgets(H2O(budget=cap), "pyramid", beta=1.3),
+  "adakv_h2o": h2o_kv.AdaKV(H2O(budget=cap)),
+  "adakv_snapkv": h2o_kv.AdaKV(SnapKV(budget=cap)),
 }
 sel = sys.argv[4].split(",") if len(sys.argv) > 4 else list(variants)
 for name in sel:

@@ -10,6 +10,7 @@ from test_models_tiny import decode
 
 import h2o_kv
 from h2o_kv.layer import KVLayer, Settings
+from h2o_kv.pooled import PooledKVLayer
 from h2o_kv.quant import dequantize, quantize
 
 from conftest import make_model, random_ids
@@ -41,16 +42,17 @@ def test_int8_logits_close_to_float_storage(arch, policy):
         assert torch.equal(a.pos.sort(-1).values, b.pos.sort(-1).values)
 
 
-@pytest.mark.parametrize("name", ["h2o", "local", "streaming", "tova"])
+@pytest.mark.parametrize("name", ["h2o", "local", "streaming", "tova", "adakv"])
 @pytest.mark.parametrize("chunks", [[1] * 16, [16], [7, 1, 1, 5, 1, 1]], ids=["steps", "one_call", "mixed"])
 def test_int8_layer_equals_float_layer_on_the_quantized_values(name, chunks):
     """The only difference int8 storage makes is the rounding of keys and values: a float layer fed
     the dequantized inputs keeps exactly the same tokens and gives the same outputs."""
-    policy = LAYER_POLICIES[name][0]
+    policy = LAYER_POLICIES[name][0] if name != "adakv" else h2o_kv.AdaKV(h2o_kv.H2O(heavy=3, recent=2))
     q, k, v = random_qkv(batch=2, seed=3)
     k_rounded, v_rounded = (dequantize(*quantize(t), torch.float32) for t in (k, v))
     out, layer = run_layer(policy, q, k_rounded, v_rounded, chunks)
-    int8_out, int8_layer = _run(KVLayer(Settings(policy, kv_dtype="int8"), 0), q, k, v, chunks)
+    layer_class = PooledKVLayer if policy.head_pooled else KVLayer
+    int8_out, int8_layer = _run(layer_class(Settings(policy, kv_dtype="int8"), 0), q, k, v, chunks)
     assert int8_layer.keys.dtype == torch.int8 and int8_layer.key_scale.dtype == torch.float32
     for row in range(2):
         assert kept_positions(int8_layer, row) == kept_positions(layer, row)

@@ -219,11 +219,8 @@ class KVLayer(CacheLayerMixin):
             chunk_pos = qpos[:, start:stop]
             observed = policy.score_window if stop - start > 1 else None
             new_from = self._insert(new_keys[:, :, start:stop], new_values[:, :, start:stop], chunk_pos)
-            out, scores, last = attend(
+            out, scores, last = self._attend(
                 query[:, :, start:stop],
-                self.keys,
-                self.values,
-                self.pos,
                 chunk_pos,
                 scaling=scaling,
                 window=window,
@@ -233,9 +230,6 @@ class KVLayer(CacheLayerMixin):
                 want_scores=policy.needs_scores,
                 want_last=policy.needs_last,
                 score_from=0 if observed is None else max(0, stop - start - observed),
-                key_scale=self.key_scale,
-                value_scale=self.value_scale,
-                **self.attend_options(),
             )
             if scores is not None:
                 self._add_scores(scores, stop - start, observed=observed is not None, new_from=new_from)
@@ -388,9 +382,10 @@ class KVLayer(CacheLayerMixin):
         """Used slots per row of the storage, [B, H] (a head-pooled layer has one row per sequence)."""
         return (self.pos >= 0).sum(-1)
 
-    def attend_options(self) -> dict:
-        """Extra arguments of `kernel.attend` for this layer's storage (a head-pooled layer's slot heads)."""
-        return {}
+    def _attend(self, query: torch.Tensor, positions: torch.Tensor, **options):
+        """`kernel.attend` of a call's queries over this layer's slots (a head-pooled layer masks by head)."""
+        return attend(query, self.keys, self.values, self.pos, positions, key_scale=self.key_scale,
+                      value_scale=self.value_scale, **options)  # fmt: skip
 
     def nbytes(self) -> int:
         tensors = (self.keys, self.values, self.pos, self.score, self.last, self.key_scale, self.value_scale, self.head)

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import torch
 
+from .kernel import attend
 from .layer import KVLayer
+from .policies import SlotState
 
 POS_SPAN = 1 << 40  # a position is below this (MAX_TOKENS), so head * POS_SPAN + pos orders by (head, pos)
 
@@ -51,15 +53,16 @@ class PooledKVLayer(KVLayer):
         return super().forward_attention(query, attention_mask, **kwargs)
 
     def _insert(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
-        """n new tokens [B, heads, n, D] take n x heads slots; returns None (attention masks by position)."""
+        """n new tokens [B, heads, n, D] take n x heads slots; returns the first one (None while decoding)."""
         batch, heads, n, dim = keys.shape
         width = n * heads
         keys = keys.transpose(1, 2).reshape(batch, 1, width, dim)
         values = values.transpose(1, 2).reshape(batch, 1, width, values.shape[-1])
         tags = torch.arange(heads, dtype=torch.int8, device=self.device).repeat(n).expand(batch, 1, width)
+        first = None
         if self.settings.mode == "drop" and n == 1:  # decoding: the first `heads` free slots of each row
             self._reserve(self.kept_bound + heads)
-            slots = torch.sort((self.pos >= 0).to(torch.uint8), dim=-1, stable=True).indices[..., :heads]
+            slots = first_free(self.pos, heads)
             self.used = self.keys.shape[2]
         else:
             first = self.used
@@ -69,15 +72,40 @@ class PooledKVLayer(KVLayer):
         self.kept_bound += width
         self.head.scatter_(2, slots, tags)
         self._write(slots, keys, values, positions.repeat_interleave(heads, dim=1)[:, None])
-        return None
+        return None if n == 1 and self.settings.mode == "drop" else first
 
     def append_rows(self, other: KVLayer) -> None:
         if not self.is_initialized:
             self.query_head = getattr(other, "query_head", None)
         super().append_rows(other)
 
-    def attend_options(self) -> dict:
-        return {"slot_head": self.head, "query_head": self.query_head}
+    def _attend(self, query: torch.Tensor, positions: torch.Tensor, *, new_from: int | None, **options):
+        if new_from == 0:  # the row holds just this call's tokens, token-major: attend per head, in order
+            return self._attend_first(query, positions, **options)
+        return attend(query, self.keys, self.values, self.pos, positions, key_scale=self.key_scale,
+                      value_scale=self.value_scale, slot_head=self.head, query_head=self.query_head,
+                      **options)  # fmt: skip
+
+    def _attend_first(self, query: torch.Tensor, positions: torch.Tensor, **options):
+        """A first call (a prompt) as `KVLayer` attends: [B, heads, n] views of the row, the causal
+        triangle skipped; the per-slot scores come back in the row's order."""
+        batch, heads, n = query.shape[0], self.kv_heads, query.shape[2]
+
+        def by_head(t: torch.Tensor | None) -> torch.Tensor | None:  # [B, 1, n*heads, ...] -> [B, heads, n, ...]
+            return None if t is None else t[:, 0, : n * heads].unflatten(1, (n, heads)).transpose(1, 2)
+
+        out, scores, last = attend(query, by_head(self.keys), by_head(self.values), by_head(self.pos), positions,
+                                   key_scale=by_head(self.key_scale), value_scale=by_head(self.value_scale),
+                                   new_from=0, **options)  # fmt: skip
+
+        def by_row(t: torch.Tensor | None) -> torch.Tensor | None:  # [B, heads, n] -> [B, 1, S] (empty slots: 0)
+            if t is None:
+                return None
+            row = torch.zeros_like(self.score)
+            row[:, 0, : n * heads] = t.transpose(1, 2).reshape(batch, n * heads)
+            return row
+
+        return out, by_row(scores), by_row(last)
 
     def _add_scores(self, scores: torch.Tensor, queries: int, observed: bool, new_from: int | None) -> None:
         pool = self.policy.score_pool if observed else 1
@@ -100,7 +128,35 @@ class PooledKVLayer(KVLayer):
         pooled = around.masked_fill(~same, 0.0).amax(-1)  # scores are >= 0
         return torch.empty_like(scores).scatter_(-1, order, pooled)
 
+    def _evict(self, next_pos: torch.Tensor, window: int | None, added: int) -> None:
+        """A decode step frees up to `heads` slots of the row: one sort by priority instead of `KVLayer`'s
+        two (by position, then priority), unless two slots tie at the boundary (then `KVLayer`'s exact order)."""
+        if added != 1 or window is not None or self.capacity is None or self.kept_bound <= self.min_capacity:
+            return super()._evict(next_pos, window, added)
+        valid = self.pos >= 0
+        excess = (valid.sum(-1) - self.capacity).clamp_(min=0).unsqueeze(-1)  # [B, 1, 1]
+        state = SlotState(self.pos, self.score, self.last, next_pos.view(-1, 1, 1), self.prompt_len)
+        ranked = torch.sort(torch.where(valid, self.policy.priority(state), float("inf")), dim=-1, stable=True)
+        last_out = ranked.values.gather(-1, (excess - 1).clamp_(min=0))
+        first_in = ranked.values.gather(-1, excess.clamp(max=ranked.values.shape[-1] - 1))
+        if bool(((last_out == first_in) & (excess > 0)).any()):
+            return super()._evict(next_pos, window, added)
+        slots = torch.arange(ranked.indices.shape[-1], device=self.device).expand_as(ranked.indices)
+        rank = torch.empty_like(ranked.indices).scatter_(-1, ranked.indices, slots)
+        self._free(valid & (rank < excess))
+        self.kept_bound = min(self.kept_bound, self.max_capacity)
+
     def kept(self) -> torch.Tensor:
         """Tokens kept per (sequence, real KV head), [B, heads]."""
         counts = torch.zeros(self.pos.shape[0], self.kv_heads, dtype=torch.int64, device=self.device)
         return counts.scatter_add_(1, self.head[:, 0].long(), (self.pos[:, 0] >= 0).long())
+
+
+def first_free(pos: torch.Tensor, count: int) -> torch.Tensor:
+    """The first `count` empty slots (pos -1) of each row of `pos` [B, 1, S], in slot order, [B, 1, count]
+    (there must be that many): each empty slot's rank among the empty ones, scattered to its index."""
+    empty = pos < 0
+    rank = torch.where(empty, empty.cumsum(-1) - 1, count).clamp_(max=count)  # others go to a spare column
+    slots = torch.arange(pos.shape[-1], device=pos.device).expand_as(pos)
+    found = torch.zeros(*pos.shape[:2], count + 1, dtype=torch.int64, device=pos.device)
+    return found.scatter_(2, rank, slots)[..., :count]

@@ -52,7 +52,7 @@ class PooledKVLayer(KVLayer):
             self.query_head = torch.arange(self.kv_heads, device=self.device).repeat_interleave(group).view(-1, group)
         return super().forward_attention(query, attention_mask, **kwargs)
 
-    def _insert(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+    def _insert(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> int | None:
         """n new tokens [B, heads, n, D] take n x heads slots; returns the first one (None while decoding)."""
         batch, heads, n, dim = keys.shape
         width = n * heads
@@ -72,7 +72,7 @@ class PooledKVLayer(KVLayer):
         self.kept_bound += width
         self.head.scatter_(2, slots, tags)
         self._write(slots, keys, values, positions.repeat_interleave(heads, dim=1)[:, None])
-        return None if n == 1 and self.settings.mode == "drop" else first
+        return first
 
     def append_rows(self, other: KVLayer) -> None:
         if not self.is_initialized:

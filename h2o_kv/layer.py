@@ -349,9 +349,7 @@ class KVLayer(CacheLayerMixin):
         # a prompt or chunk: rank by (priority, position) and drop the `excess` lowest
         by_age = torch.sort(torch.where(valid, self.pos, torch.iinfo(torch.int64).max), dim=-1, stable=True)
         order = by_age.indices.gather(2, torch.sort(priority.gather(2, by_age.indices), dim=-1, stable=True).indices)
-        ranks = torch.arange(order.shape[-1], device=self.device).expand_as(order)
-        rank = torch.empty_like(order).scatter_(2, order, ranks)
-        evict = valid & (rank < excess.unsqueeze(-1))
+        evict = valid & (ranks_of(order) < excess.unsqueeze(-1))
         self._free(evict)
         self.kept_bound = min(self.kept_bound, self.max_capacity)
         if self.settings.mode == "drop" and self.keys.shape[2] > self.max_capacity + self.spare:
@@ -390,6 +388,12 @@ class KVLayer(CacheLayerMixin):
     def nbytes(self) -> int:
         tensors = (self.keys, self.values, self.pos, self.score, self.last, self.key_scale, self.value_scale, self.head)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def ranks_of(order: torch.Tensor) -> torch.Tensor:
+    """Each slot's place in `order` (sort indices along the last dimension): the inverse permutation."""
+    places = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, order, places)
 
 
 def _grow(t: torch.Tensor, extra: int, fill: float) -> torch.Tensor:

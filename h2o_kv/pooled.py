@@ -23,13 +23,15 @@ from __future__ import annotations
 import torch
 
 from .kernel import attend
-from .layer import KVLayer
+from .layer import KVLayer, ranks_of
 from .policies import SlotState
 
 POS_SPAN = 1 << 40  # a position is below this (MAX_TOKENS), so head * POS_SPAN + pos orders by (head, pos)
 
 
 class PooledKVLayer(KVLayer):
+    query_head: torch.Tensor | None = None  # [heads, group]: each query head's KV head, from the first query
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         heads = key_states.shape[1]
         if heads > 127:
@@ -38,7 +40,6 @@ class PooledKVLayer(KVLayer):
         self.kv_heads = heads
         self.spare = heads  # one slot per head for the incoming token
         self.head = torch.zeros(key_states.shape[0], 1, 0, dtype=torch.int8, device=self.device)
-        self.query_head: torch.Tensor | None = None  # [heads, group], from the first query
 
     def _fix_budget(self, prompt_len: torch.Tensor) -> None:
         super()._fix_budget(prompt_len)
@@ -74,17 +75,12 @@ class PooledKVLayer(KVLayer):
         self._write(slots, keys, values, positions.repeat_interleave(heads, dim=1)[:, None])
         return first
 
-    def append_rows(self, other: KVLayer) -> None:
-        if not self.is_initialized:
-            self.query_head = getattr(other, "query_head", None)
-        super().append_rows(other)
-
     def _attend(self, query: torch.Tensor, positions: torch.Tensor, *, new_from: int | None, **options):
         if new_from == 0:  # the row holds just this call's tokens, token-major: attend per head, in order
             return self._attend_first(query, positions, **options)
-        return attend(query, self.keys, self.values, self.pos, positions, key_scale=self.key_scale,
-                      value_scale=self.value_scale, slot_head=self.head, query_head=self.query_head,
-                      **options)  # fmt: skip
+        # later calls: a token is `heads` slots, so the kernel's in-order causal shortcut (new_from) does not apply
+        return super()._attend(query, positions, new_from=None, slot_head=self.head, query_head=self.query_head,
+                               **options)  # fmt: skip
 
     def _attend_first(self, query: torch.Tensor, positions: torch.Tensor, **options):
         """A first call (a prompt) as `KVLayer` attends: [B, heads, n] views of the row, the causal
@@ -141,9 +137,7 @@ class PooledKVLayer(KVLayer):
         first_in = ranked.values.gather(-1, excess.clamp(max=ranked.values.shape[-1] - 1))
         if bool(((last_out == first_in) & (excess > 0)).any()):
             return super()._evict(next_pos, window, added)
-        slots = torch.arange(ranked.indices.shape[-1], device=self.device).expand_as(ranked.indices)
-        rank = torch.empty_like(ranked.indices).scatter_(-1, ranked.indices, slots)
-        self._free(valid & (rank < excess))
+        self._free(valid & (ranks_of(ranked.indices) < excess))
         self.kept_bound = min(self.kept_bound, self.max_capacity)
 
     def kept(self) -> torch.Tensor:

@@ -75,6 +75,7 @@ class Engine:
         self._closing = False
         self.generated_tokens = 0
         self.finished_requests = 0
+        self.peaks = {"running": 0, "kv_bytes_in_use": 0}  # high-water marks since start or reset_peaks()
 
     # -- the public API ----------------------------------------------------------------------------------
     def submit(
@@ -155,6 +156,8 @@ class Engine:
                 "kv_bytes_in_use": self.kv_bytes_in_use(),
                 "kv_bytes_reserved": self._reserved(),
                 "kv_bytes_allowed": self.kv_memory,
+                "running_peak": self.peaks["running"],
+                "kv_bytes_peak": self.peaks["kv_bytes_in_use"],
                 "generated_tokens": self.generated_tokens,
                 "finished_requests": self.finished_requests,
             }
@@ -162,6 +165,17 @@ class Engine:
     def kv_bytes_in_use(self) -> int:
         caches = [cache for cache, _ in self._groups.values()] + [cache for _, cache in self._prefill]
         return sum(cache.nbytes() for cache in caches)
+
+    def reset_peaks(self) -> None:
+        """Start the high-water marks of `stats()` again from what is held now (a load test per config)."""
+        with self._state, self._lock:
+            self.peaks = {"running": 0, "kv_bytes_in_use": 0}
+            self._note_peaks()
+
+    def _note_peaks(self) -> None:
+        """Called where a step holds most: after admission and after each forward, before anyone leaves."""
+        self.peaks["running"] = max(self.peaks["running"], self._running())
+        self.peaks["kv_bytes_in_use"] = max(self.peaks["kv_bytes_in_use"], self.kv_bytes_in_use())
 
     def run(self) -> None:
         """Step until no request is left."""
@@ -201,6 +215,7 @@ class Engine:
         with self._lock:
             self._drop_cancelled()
             self._admit()
+            self._note_peaks()
             work = bool(self._prefill or self._groups)
         if self._prefill:
             self._prefill_chunk()
@@ -240,6 +255,7 @@ class Engine:
             self._prefill.popleft()
             self._finish(request, "error", f"{type(err).__name__}: {err}")
             return
+        self._note_peaks()
         if done + len(ids) < request.prompt_tokens:
             return
         self._prefill.popleft()
@@ -266,6 +282,7 @@ class Engine:
                 for request in rows:
                     self._finish(request, "error", f"{type(err).__name__}: {err}")
                 continue
+            self._note_peaks()
             greedy = logits.argmax(-1).tolist()
             finished = [
                 self._push(r, greedy[i] if r.sampling.greedy else sample(logits[i], r.sampling, r.generator))

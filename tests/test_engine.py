@@ -89,7 +89,12 @@ def test_admission_keeps_kv_bytes_within_kv_memory():
             assert engine.stats()["kv_bytes_reserved"] <= limit
         assert all(h.result().finish_reason in ("length", "stop") for h in handles)
         assert peak_bytes <= limit
+        # the engine's own high-water marks see inside a step (before finished rows leave)
+        stats = engine.stats()
+        assert peak_bytes <= stats["kv_bytes_peak"] <= limit and stats["running_peak"] == peak_running
         peaks[spec["policy"]] = peak_running
+        engine.reset_peaks()
+        assert engine.stats()["kv_bytes_peak"] == engine.stats()["running_peak"] == 0
     assert one_full / one_h2o >= 4
     assert peaks["full"] <= 3 and peaks["h2o"] >= 4 * peaks["full"]
 

@@ -213,6 +213,7 @@ def test_client_disconnect_cancels_and_frees_the_kv(server, api) -> None:
         if i == 2:
             break
     assert metric(url, "h2o_kv_kv_bytes_in_use") > 0
+    assert metric(url, "h2o_kv_kv_bytes_peak") >= metric(url, "h2o_kv_kv_bytes_in_use")
     stream.close()
     wait_for(lambda: metric(url, "h2o_kv_kv_bytes_in_use") == 0, what="KV bytes to return to zero")
     wait_for(lambda: metric(url, "h2o_kv_requests_total", {"finish_reason": "cancelled"}) == cancelled + 1)
@@ -224,6 +225,9 @@ def test_client_disconnect_cancels_and_frees_the_kv(server, api) -> None:
         httpx.post(f"{url}/v1/completions", json=body, timeout=0.5)
     wait_for(lambda: metric(url, "h2o_kv_requests_total", {"finish_reason": "cancelled"}) == cancelled + 2)
     assert metric(url, "h2o_kv_kv_bytes_in_use") == 0 and engine.stats()["generated_tokens"] - before < 1800
+    assert metric(url, "h2o_kv_kv_bytes_peak") > 0 and metric(url, "h2o_kv_requests_running_peak") >= 1
+    assert httpx.post(f"{url}/reset_peaks").status_code == 204
+    assert metric(url, "h2o_kv_kv_bytes_peak") == metric(url, "h2o_kv_requests_running_peak") == 0
 
 
 def test_metrics_count_tokens_requests_and_first_token_times(server, api) -> None:

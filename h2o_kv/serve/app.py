@@ -122,6 +122,12 @@ def create_app(engine, model_name: str, *, tokenizer=None, manage_engine: bool =
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    @app.post("/reset_peaks", status_code=204)
+    async def reset_peaks() -> Response:
+        """Restart the peak gauges (a load generator calls it before each configuration)."""
+        await asyncio.to_thread(engine.reset_peaks)
+        return Response(status_code=204)
+
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [schemas.model_card(model_name, created)]}

@@ -101,12 +101,14 @@ def _text(chunk: dict) -> str:
 
 
 async def _watch_metrics(client: httpx.AsyncClient, url: str, peaks: dict, stop: asyncio.Event) -> None:
-    """Peaks of the server's gauges, sampled every 50 ms (left empty for a server without /metrics)."""
+    """Peaks of the server's gauges, sampled every 50 ms and once more after `stop` (left empty for a
+    server without /metrics). The server's own high-water marks catch what falls between samples."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    names = {"h2o_kv_requests_running": "peak_running", "h2o_kv_requests_waiting": "peak_waiting",
-             "h2o_kv_kv_bytes_in_use": "peak_kv_bytes", "h2o_kv_kv_bytes_allowed": "kv_bytes_allowed"}  # fmt: skip
-    while not stop.is_set():
+    names = {"h2o_kv_requests_running": "peak_running", "h2o_kv_requests_running_peak": "peak_running",
+             "h2o_kv_requests_waiting": "peak_waiting", "h2o_kv_kv_bytes_in_use": "peak_kv_bytes",
+             "h2o_kv_kv_bytes_peak": "peak_kv_bytes", "h2o_kv_kv_bytes_allowed": "kv_bytes_allowed"}  # fmt: skip
+    while True:
         response = await client.get(f"{url}/metrics")
         if response.status_code != 200:
             return
@@ -115,6 +117,8 @@ async def _watch_metrics(client: httpx.AsyncClient, url: str, peaks: dict, stop:
                 if sample.name in names:
                     key = names[sample.name]
                     peaks[key] = max(peaks.get(key, 0), sample.value)
+        if stop.is_set():
+            return
         try:
             await asyncio.wait_for(stop.wait(), timeout=0.05)
         except asyncio.TimeoutError:
@@ -129,6 +133,9 @@ async def run_config(url: str, model: str, prompts: list[list[int]] | list[str],
     gate, stop, peaks = asyncio.Semaphore(concurrency), asyncio.Event(), {}
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits) as client:
+        response = await client.post(f"{url}/reset_peaks")  # 404 / 405: a server without peak gauges
+        if response.status_code not in (204, 404, 405):
+            response.raise_for_status()
         watcher = asyncio.create_task(_watch_metrics(client, url, peaks, stop))
         start = time.perf_counter()
         tasks = [asyncio.create_task(_one(client, url, base | {"prompt": ids}, gate)) for ids in prompts]

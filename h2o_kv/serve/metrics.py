@@ -22,6 +22,8 @@ _GAUGES = (
     ("requests_waiting", "waiting", "Requests queued until their KV fits in the memory limit"),
     ("kv_bytes_in_use", "kv_bytes_in_use", "Bytes the KV cache holds now"),
     ("kv_bytes_reserved", "kv_bytes_reserved", "Sum of the admitted requests' KV reservations"),
+    ("requests_running_peak", "running_peak", "Most requests running at once since start or POST /reset_peaks"),
+    ("kv_bytes_peak", "kv_bytes_peak", "Most bytes the KV cache held since start or POST /reset_peaks"),
 )
 
 

@@ -116,6 +116,15 @@ def attend(
     return out.transpose(1, 2).contiguous(), scores, last
 
 
+def pooled_bias(pos: torch.Tensor, slot_head: torch.Tensor, heads: int) -> torch.Tensor:
+    """The additive mask of a head-pooled row, [B, heads, 1, S]: for KV head h, 0 on the kept
+    slots tagged h and -inf elsewhere (query head i belongs to KV head i // group, transformers' grouping)."""
+    batch, _, slots = pos.shape
+    code = torch.where(pos < 0, heads, slot_head.long()).view(-1)  # an empty slot: the all -inf column
+    table = torch.full((heads, heads + 1), float("-inf"), device=pos.device).fill_diagonal_(0.0)
+    return table.index_select(1, code).view(heads, batch, 1, slots).transpose(0, 1).contiguous()
+
+
 def attend_one(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -141,11 +150,11 @@ def attend_one(
     batch, q_heads, _, dim = q.shape
     kv_heads, slots = keys.shape[1], keys.shape[2]
     group = q_heads // kv_heads
-    hidden = (pos < 0)[:, :, None]  # empty slots, [B, H, 1, S]
-    if slot_head is not None:  # head-pooled storage: and the other heads' slots, [B, 1, Hq, S]
-        hidden = hidden | (slot_head[:, :, None] != query_head.view(1, 1, -1, 1))
-    bias = torch.where(hidden, float("-inf"), 0.0) if softcap is None else None  # float32
-    fused = bias is not None and key_scale is None  # the mask rides in the matmul: one pass less over the logits
+    if slot_head is None:
+        bias = torch.where(pos < 0, float("-inf"), 0.0)[:, :, None]  # [B, H, 1, S] float32: empty slots
+    else:  # head-pooled storage: [B, heads, 1, S], and each query head's logits viewed [B, heads, G', S]
+        bias = pooled_bias(pos, slot_head, query_head.shape[0])
+    fused = slot_head is None and softcap is None and key_scale is None  # the mask rides in the matmul
     logits = torch.baddbmm(
         (bias.to(q.dtype).view(batch * kv_heads, -1, slots) if fused else q.new_zeros(1, 1, 1)).expand(
             batch * kv_heads, group, slots
@@ -154,13 +163,15 @@ def attend_one(
         keys.reshape(batch * kv_heads, slots, dim).to(q.dtype).mT,
         beta=1.0 if fused else 0.0,
         alpha=scaling,
-    ).view(batch, kv_heads, group, slots)
+    ).view(batch, bias.shape[1], -1, slots)
     if key_scale is not None:  # int8 keys: q.k_j = s_j (q.k8_j), and the mask added in the same kernel
         scale = key_scale[:, :, None]
-        logits = logits.float() * scale if bias is None else torch.addcmul(bias, logits.float(), scale)
+        logits = logits.float() * scale if softcap is not None else torch.addcmul(bias, logits.float(), scale)
     if softcap is not None:
-        logits = torch.tanh(logits.float() / softcap) * softcap
-        logits.masked_fill_(hidden, float("-inf"))
+        logits = torch.tanh(logits.float() / softcap) * softcap + bias
+    elif not fused and key_scale is None:
+        logits = logits + bias  # head-pooled: a broadcast add, cheaper than a [B, Hq, S] mask in the matmul
+    logits = logits.view(batch, kv_heads, group, slots)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [B, H, G, S]
     weights = probs if value_scale is None else probs * value_scale[:, :, None]
     out = torch.matmul(weights.to(q.dtype), values.to(q.dtype))  # [B, H, G, D]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from .kernel import attend
-from .layer import KVLayer, ranks_of
+from .layer import KVLayer
 from .policies import SlotState
 
 POS_SPAN = 1 << 40  # a position is below this (MAX_TOKENS), so head * POS_SPAN + pos orders by (head, pos)
@@ -31,6 +31,9 @@ POS_SPAN = 1 << 40  # a position is below this (MAX_TOKENS), so head * POS_SPAN 
 
 class PooledKVLayer(KVLayer):
     query_head: torch.Tensor | None = None  # [heads, group]: each query head's KV head, from the first query
+    # the slots the last decode step freed, [B, 1, heads] in slot order, with the `pos` tensor they index:
+    # the next step writes there (any batch change or compaction makes a new `pos`, and they are not used)
+    vacant: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         heads = key_states.shape[1]
@@ -59,11 +62,15 @@ class PooledKVLayer(KVLayer):
         width = n * heads
         keys = keys.transpose(1, 2).reshape(batch, 1, width, dim)
         values = values.transpose(1, 2).reshape(batch, 1, width, values.shape[-1])
-        tags = torch.arange(heads, dtype=torch.int8, device=self.device).repeat(n).expand(batch, 1, width)
+        tags = self._tags(batch, n)
         first = None
-        if self.settings.mode == "drop" and n == 1:  # decoding: the first `heads` free slots of each row
-            self._reserve(self.kept_bound + heads)
-            slots = first_free(self.pos, heads)
+        if self.settings.mode == "drop" and n == 1:  # decoding: the slots the last step freed, or the first free ones
+            vacant, self.vacant = self.vacant, None
+            if vacant is not None and vacant[1] is self.pos:
+                slots = vacant[0]
+            else:
+                self._reserve(self.kept_bound + heads)
+                slots = first_free(self.pos, heads)
             self.used = self.keys.shape[2]
         else:
             first = self.used
@@ -74,6 +81,15 @@ class PooledKVLayer(KVLayer):
         self.head.scatter_(2, slots, tags)
         self._write(slots, keys, values, positions.repeat_interleave(heads, dim=1)[:, None])
         return first
+
+    def _tags(self, batch: int, n: int) -> torch.Tensor:
+        """Each new slot's head, [B, 1, n x heads] token-major (a decode step's is kept)."""
+        tags = getattr(self, "_decode_tags", None)
+        if n != 1 or tags is None or tags.shape[0] != batch:
+            tags = torch.arange(self.kv_heads, dtype=torch.int8, device=self.device).repeat(n).expand(batch, 1, -1)
+            if n == 1:
+                self._decode_tags = tags
+        return tags
 
     def _attend(self, query: torch.Tensor, positions: torch.Tensor, *, new_from: int | None, **options):
         if new_from == 0:  # the row holds just this call's tokens, token-major: attend per head, in order
@@ -125,19 +141,30 @@ class PooledKVLayer(KVLayer):
         return torch.empty_like(scores).scatter_(-1, order, pooled)
 
     def _evict(self, next_pos: torch.Tensor, window: int | None, added: int) -> None:
-        """A decode step frees up to `heads` slots of the row: one sort by priority instead of `KVLayer`'s
-        two (by position, then priority), unless two slots tie at the boundary (then `KVLayer`'s exact order)."""
+        """A decode step frees up to `heads` slots of the row: the `heads + 1` lowest priorities (topk, not
+        `KVLayer`'s two sorts) say which, unless two slots tie at the boundary (then `KVLayer`'s exact order).
+        When every row frees exactly `heads` (a full cache), they are freed by index and kept as `vacant`."""
         if added != 1 or window is not None or self.capacity is None or self.kept_bound <= self.min_capacity:
             return super()._evict(next_pos, window, added)
         valid = self.pos >= 0
         excess = (valid.sum(-1) - self.capacity).clamp_(min=0).unsqueeze(-1)  # [B, 1, 1]
         state = SlotState(self.pos, self.score, self.last, next_pos.view(-1, 1, 1), self.prompt_len)
-        ranked = torch.sort(torch.where(valid, self.policy.priority(state), float("inf")), dim=-1, stable=True)
-        last_out = ranked.values.gather(-1, (excess - 1).clamp_(min=0))
-        first_in = ranked.values.gather(-1, excess.clamp(max=ranked.values.shape[-1] - 1))
-        if bool(((last_out == first_in) & (excess > 0)).any()):
+        priority = torch.where(valid, self.policy.priority(state), float("inf"))
+        lowest = torch.topk(priority, min(self.spare + 1, priority.shape[-1]), dim=-1, largest=False)
+        last_out = lowest.values.gather(-1, (excess - 1).clamp(min=0))
+        first_in = lowest.values.gather(-1, excess.clamp(max=lowest.values.shape[-1] - 1))
+        tie = ((last_out == first_in) | (excess >= lowest.values.shape[-1])) & (excess > 0)
+        tied, full = torch.stack((tie.any(), (excess == self.spare).all())).tolist()  # one sync
+        if tied:
             return super()._evict(next_pos, window, added)
-        self._free(valid & (ranks_of(ranked.indices) < excess))
+        if full and self.settings.mode == "drop":
+            slots = lowest.indices[..., : self.spare].sort(dim=-1).values  # so a token's heads go in head order
+            for name, empty in (("pos", -1), ("score", 0.0), ("last", 0.0)):
+                if getattr(self, name) is not None:
+                    getattr(self, name).scatter_(2, slots, empty)
+            self.vacant = (slots, self.pos)
+        else:
+            self._free(valid & (priority <= last_out) & (excess > 0))
         self.kept_bound = min(self.kept_bound, self.max_capacity)
 
     def kept(self) -> torch.Tensor:

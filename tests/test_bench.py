@@ -267,3 +267,49 @@ def test_int8_suffix_stores_int8_and_counts_its_scales():
     # int8 keys/values (1 byte) plus one float32 scale per token and head, against float32 (4 bytes)
     head_dim = model.config.hidden_size // model.config.num_attention_heads
     assert sizes["h2o-int8"] / sizes["h2o"] == pytest.approx((head_dim + 4) / (4 * head_dim))
+
+
+def test_interleaved_steps_equal_separate_runs():
+    """Decoding caches in turn (switching the attention path between them) changes nothing a cache sees."""
+    model = make_model("llama")
+    ids = torch.randint(3, VOCAB, (2, 30), generator=torch.Generator().manual_seed(1))
+    names = (bench.STATIC, "h2o", bench.DYNAMIC, "tova")
+
+    def start(name):
+        cache = bench.new_cache(model, name, bench.policy_for(name, 6, 30), max_len=40)
+        return [cache, bench.prefill(model, cache, ids)[0]]
+
+    with torch.inference_mode():
+        together = {name: start(name) for name in names}
+        seconds = bench.decode_in_turn(model, together, 30, 6)
+        for name in names:
+            alone = {name: start(name)}
+            bench.decode_in_turn(model, alone, 30, 6)
+            assert torch.equal(together[name][1], alone[name][1]), name
+            assert bench.kv_bytes(together[name][0]) == bench.kv_bytes(alone[name][0])
+    assert all(len(seconds[name]) == 6 and min(seconds[name]) > 0 for name in names)
+
+
+def test_interleaved_bench_has_the_same_accounting(run):
+    model, rows = run
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        together = bench.run_bench(model, CharTokenizer(), budget=BUDGET, prompt_lens=[max(PROMPT_LENS)], gen_len=GEN,
+                                   batch_sizes=[max(BATCHES)], threads=[1], progress=False, interleave=True,
+                                   text="To be, or not to be, that is the question. " * 20)  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    alone = {(r["section"], r["policy"]): r for r in rows if r["prompt_len"] == max(PROMPT_LENS) and r["batch"] == max(BATCHES)}
+    same_alone = {r["policy"]: r for r in rows if r["section"] == "same_memory"}
+    assert {(r["section"], r["policy"]) for r in together} == {*(("sweep", p) for p in bench.POLICIES),
+                                                               *(("same_memory", p) for p in same_alone)}  # fmt: skip
+    for r in together:
+        ref = alone[("sweep", r["policy"])] if r["section"] == "sweep" else same_alone[r["policy"]]
+        for key in ("kv_bytes", "seen_tokens", "kept_tokens", "batch"):
+            assert r[key] == ref[key], (r["policy"], key)
+        if r["section"] == "sweep":
+            assert r["interleaved"] and r["mem_kind"].endswith("-prefill") and len(r["step_ms"]) == GEN
+            assert r["cache_bytes"] == ref["cache_bytes"] and not ref["interleaved"]
+        else:
+            assert r["mem_kind"].endswith("-together") and r["decode_tok_s"] > 0

@@ -19,13 +19,13 @@ from .config import BASELINES, DYNAMIC, POLICIES, SIZES, STATIC, new_cache, poli
 from .memory import PeakMemory, kept_and_seen, kv_bytes
 from .output import SAME_MEMORY_COLUMNS, STEP_COLUMNS, SWEEP_COLUMNS, write_results
 from .sweep import add_ratios, add_roofline, load_text, prompt_ids, run_bench
-from .timing import bench_config, decode_steps, prefill
+from .timing import bench_config, bench_together, decode_in_turn, decode_steps, prefill
 
 BASELINE = DYNAMIC  # the stock baseline's name, "full-sdpa"
 
 __all__ = [
     "BASELINE", "BASELINES", "DYNAMIC", "POLICIES", "SIZES", "STATIC", "SAME_MEMORY_COLUMNS", "STEP_COLUMNS",
     "SWEEP_COLUMNS", "PeakMemory", "add_arguments", "add_parser", "add_ratios", "add_roofline", "bench_config",
-    "check_bars", "decode_steps", "format_bars", "kept_and_seen", "kv_bytes", "load_text", "main", "new_cache",
+    "bench_together", "check_bars", "decode_in_turn", "decode_steps", "format_bars", "kept_and_seen", "kv_bytes", "load_text", "main", "new_cache",
     "policy_for", "prefill", "prompt_ids", "run_bench", "summary_table", "write_results",
 ]  # fmt: skip

@@ -92,6 +92,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="compute the model's linear layers weight-first at small batch on CPU (a faster step for every "
         "cache, stock ones included; h2o_kv.rows_first)",
     )
+    add(
+        "--interleave",
+        action="store_true",
+        help="hold every policy's cache at once and decode them in turn, one step each, so a machine that "
+        "speeds up or slows down during the run shifts them alike (the ratios are then the trustworthy figures)",
+    )
     add("--prefill-chunk", type=int, default=None, help="prefill h2o-kv caches in chunks of this many tokens")
     add(
         "--memory-cap-gb",
@@ -148,6 +154,7 @@ def main(args: argparse.Namespace) -> int:
         memory_cap_gb=args.memory_cap_gb,
         prefill_chunk=args.prefill_chunk,
         progress=not args.no_progress,
+        interleave=args.interleave,
         **sizes,
     )
     paths = write_results(rows, out)

@@ -69,13 +69,20 @@ def new_cache(
 
     `max_len` (prompt + generated tokens) sizes the StaticCache; the other caches ignore it.
     """
+    use_path(model, name)
+    if name == STATIC:
+        return StaticCache(config=model.config, max_cache_len=max_len)
+    if name == DYNAMIC:
+        return DynamicCache(config=model.config)
+    return KVCache(policy, prefill_chunk=prefill_chunk, kv_dtype="int8" if name.endswith(INT8) else None)
+
+
+def use_path(model: torch.nn.Module, name: str) -> None:
+    """Switch the model to the attention path `name`'s cache needs: SDPA for a stock cache, h2o-kv's otherwise."""
     if name in BASELINES:
         model.set_attn_implementation("sdpa")
-        if name == STATIC:
-            return StaticCache(config=model.config, max_cache_len=max_len)
-        return DynamicCache(config=model.config)
-    enable(model)
-    return KVCache(policy, prefill_chunk=prefill_chunk, kv_dtype="int8" if name.endswith(INT8) else None)
+    else:
+        enable(model)
 
 
 def check_run(

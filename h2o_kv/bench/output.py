@@ -13,7 +13,7 @@ from .sweep import RATIO_KEYS
 
 _VS = [f"{key}_vs_{label}" for key in RATIO_KEYS for label in ("dynamic", "static")]
 SWEEP_COLUMNS = (
-    "policy policy_desc budget budget_tokens prompt_len gen_len batch threads dtype repeats prefill_chunk "
+    "policy policy_desc budget budget_tokens prompt_len gen_len batch threads dtype repeats interleaved prefill_chunk "
     "prefill_s prefill_tok_s decode_s decode_tok_s step_ms_first step_ms_last kv_bytes cache_bytes "
     "kv_bytes_ratio cache_bytes_ratio".split()
     + _VS

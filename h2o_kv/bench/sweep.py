@@ -24,7 +24,7 @@ from .config import (
     policy_for,
 )
 from .memory import PeakMemory, kept_and_seen, kv_bytes
-from .timing import bench_config, decode_steps, measure_bandwidth, prefill, warm_up
+from .timing import bench_together, decode_in_turn, measure_bandwidth, prefill, warm_up
 
 RATIO_KEYS = ("decode_tok_s", "prefill_s", "kv_bytes")  # each reported as <key>_vs_dynamic and <key>_vs_static
 
@@ -62,10 +62,13 @@ def run_bench(
     prefill_chunk: int | None = None,
     progress: bool = True,
     text: str | None = None,
+    interleave: bool = False,
 ) -> list[Row]:
     """Benchmark rows: one per (threads, prompt length, batch, policy), section "sweep", then the
     "same_memory" rows (at the first thread count). `threads` None (or 0) is torch's default count.
     `prefill_chunk` is passed to h2o-kv's caches; `text` replaces the prompt text (default `load_text()`).
+    `interleave` runs the policies of each (threads, prompt length, batch) together, their decode steps in
+    turn (`bench_together`), so their ratios do not depend on the machine drifting between configurations.
     The model's attention implementation and torch's thread count are restored afterwards.
     """
     check_run(policies, budget, prompt_lens, gen_len, batch_sizes, repeats, warmup, threads)
@@ -76,26 +79,28 @@ def run_bench(
     token_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     original, default_threads = model.config._attn_implementation, torch.get_num_threads()
     threads = list(dict.fromkeys(t or default_threads for t in threads))  # 0 / None: the default count
-    configs = [(t, n, b, name) for t in threads for n in prompt_lens for b in batch_sizes for name in policies]
+    groups = [[*policies]] if interleave else [[name] for name in policies]
+    configs = [(t, n, b, names) for t in threads for n in prompt_lens for b in batch_sizes for names in groups]
     run = dict(budget=budget, gen_len=gen_len, repeats=repeats, warmup=warmup, prefill_chunk=prefill_chunk)
     bar = tqdm(configs, desc="bench", disable=not progress, dynamic_ncols=True)
     rows: list[Row] = []
     try:
         with torch.inference_mode():
-            for count, prompt_len, batch, name in bar:
+            for count, prompt_len, batch, names in bar:
                 if torch.get_num_threads() != count:
                     torch.set_num_threads(count)
                 if not rows or rows[-1]["threads"] != torch.get_num_threads():
                     warm_up(model, prompt_ids(token_ids, min(prompt_lens), 1).to(device), policies, budget)
-                bar.set_postfix_str(f"{name} prompt={prompt_len} batch={batch} threads={torch.get_num_threads()}")
-                rows.append(bench_config(model, prompt_ids(token_ids, prompt_len, batch).to(device), name, **run))
+                label = ",".join(names)
+                bar.set_postfix_str(f"{label} prompt={prompt_len} batch={batch} threads={torch.get_num_threads()}")
+                rows += bench_together(model, prompt_ids(token_ids, prompt_len, batch).to(device), names, **run)
             add_ratios(rows)
             weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
             torch.set_num_threads(threads[0])
             add_roofline(rows, weight_bytes, measure_bandwidth(device))
             bar.set_postfix_str("same memory, bigger batch")
             first = [r for r in rows if r["threads"] == torch.get_num_threads()]
-            rows += same_memory(model, token_ids, first, cap_gb=memory_cap_gb, device=device)
+            rows += same_memory(model, token_ids, first, cap_gb=memory_cap_gb, device=device, interleave=interleave)
     finally:
         bar.close()
         model.set_attn_implementation(original)
@@ -133,12 +138,19 @@ def add_roofline(rows: list[Row], weight_bytes: int, bandwidth: float) -> None:
 
 
 def same_memory(
-    model: torch.nn.Module, token_ids: list[int], sweep: list[Row], *, cap_gb: float | None, device: torch.device
+    model: torch.nn.Module,
+    token_ids: list[int],
+    sweep: list[Row],
+    *,
+    cap_gb: float | None,
+    device: torch.device,
+    interleave: bool = False,
 ) -> list[Row]:
     """Largest batch whose KV fits the cap, for each stock baseline and for H2O, and decode throughput there.
 
     KV bytes per sequence come from the sweep's measurements at the longest prompt. The cap is
     `cap_gb` of KV memory, else the stock caches' measured KV at the largest batch of the sweep.
+    With `interleave` every batch is run again, all decoding in turn (`decode_in_turn`).
     """
     prompt_len = max(r["prompt_len"] for r in sweep)
     widest: dict[str, Row] = {}  # per policy, the largest batch measured at the longest prompt
@@ -151,16 +163,21 @@ def same_memory(
         cap = max(stock)
     else:
         return []
-    rows = []
+    plan = {}  # name -> (batch, KV bytes per sequence)
     for name in (n for n in (*BASELINES, "h2o") if n in widest):
         per_seq = widest[name]["kv_bytes"] / widest[name]["batch"]
         batch = min(SAME_MEMORY_MAX_BATCH, int(cap // per_seq))
-        if batch == widest[name]["batch"]:  # the sweep measured this very run: reuse its medians
-            rows.append({key: widest[name][key] for key in SAME_MEMORY_KEYS} | dict(
-                section="same_memory", cap_bytes=cap, kv_bytes_per_seq=per_seq))  # fmt: skip
-        elif batch >= 1:
-            row = run_replicated(model, token_ids, widest[name], batch, device)
-            rows.append(row | dict(cap_bytes=cap, kv_bytes_per_seq=per_seq))
+        if batch >= 1:
+            plan[name] = batch, per_seq
+    groups = [list(plan)] if interleave else [[name] for name in plan]
+    rows = []
+    for names in groups:
+        if len(names) == 1 and plan[names[0]][0] == widest[names[0]]["batch"]:  # the sweep ran this: reuse it
+            rows.append({key: widest[names[0]][key] for key in SAME_MEMORY_KEYS} | dict(section="same_memory"))
+        else:
+            rows += run_replicated(model, token_ids, [(widest[name], plan[name][0]) for name in names], device)
+    for row in rows:
+        row |= dict(cap_bytes=cap, kv_bytes_per_seq=plan[row["policy"]][1])
     return rows
 
 
@@ -170,27 +187,40 @@ SAME_MEMORY_KEYS = (
 )  # fmt: skip
 
 
-def run_replicated(model: torch.nn.Module, token_ids: list[int], like: Row, batch: int, device: torch.device) -> Row:
-    """Decode `batch` sequences configured as the sweep row `like`, once, timed. To stay cheap the
-    prompt is prefilled at batch 1 and the cache replicated (identical sequences cost the same per
-    step as distinct ones), except for a StaticCache, which is prefilled at the full batch."""
-    name, prompt_len, gen_len = like["policy"], like["prompt_len"], like["gen_len"]
-    policy = policy_for(name, like["budget_tokens"] or like["budget"], prompt_len)
+def run_replicated(model: torch.nn.Module, token_ids: list[int], runs: list[tuple[Row, int]],
+                   device: torch.device) -> list[Row]:  # fmt: skip
+    """Decode `batch` sequences configured as the sweep row `like`, for each (like, batch) of `runs`, once,
+    timed; several runs decode in turn. To stay cheap a prompt is prefilled at batch 1 and the cache
+    replicated (identical sequences cost the same per step as distinct ones), except for a StaticCache,
+    which is prefilled at the full batch."""
     memory = PeakMemory(device)
     memory.start()
-    cache = new_cache(model, name, policy, max_len=prompt_len + gen_len, prefill_chunk=like["prefill_chunk"])
-    if name == STATIC:  # a StaticCache is allocated for its first batch and cannot be replicated
-        token, _ = prefill(model, cache, prompt_ids(token_ids, prompt_len, batch).to(device))
-    else:
-        token, _ = prefill(model, cache, prompt_ids(token_ids, prompt_len, 1).to(device))
-        cache.batch_repeat_interleave(batch)
-        token = token.repeat_interleave(batch, dim=0)
-    decode_s = sum(decode_steps(model, cache, token, prompt_len, gen_len))
+    live, policies = {}, {}
+    for like, batch in runs:
+        name, prompt_len = like["policy"], like["prompt_len"]
+        policies[name] = policy_for(name, like["budget_tokens"] or like["budget"], prompt_len)
+        cache = new_cache(model, name, policies[name], max_len=prompt_len + like["gen_len"],
+                          prefill_chunk=like["prefill_chunk"])  # fmt: skip
+        if name == STATIC:  # a StaticCache is allocated for its first batch and cannot be replicated
+            token, _ = prefill(model, cache, prompt_ids(token_ids, prompt_len, batch).to(device))
+        else:
+            token, _ = prefill(model, cache, prompt_ids(token_ids, prompt_len, 1).to(device))
+            cache.batch_repeat_interleave(batch)
+            token = token.repeat_interleave(batch, dim=0)
+        live[name] = [cache, token]
+    like = runs[0][0]
+    steps = decode_in_turn(model, live, like["prompt_len"], like["gen_len"])
     peak, peak_delta = memory.stop()
-    kept, seen = kept_and_seen(cache, prompt_len + gen_len)
-    return dict(
-        section="same_memory", policy=name, policy_desc=describe(name, policy), prompt_len=prompt_len,
-        gen_len=gen_len, batch=batch, threads=like["threads"], dtype=like["dtype"], kv_bytes=kv_bytes(cache)[0],
-        decode_s=decode_s, decode_tok_s=batch * gen_len / decode_s, seen_tokens=seen, kept_tokens=kept,
-        peak_mem_bytes=peak, peak_mem_delta_bytes=peak_delta, mem_kind=memory.kind,
-    )  # fmt: skip
+    rows = []
+    for (like, batch), (name, (cache, _)) in zip(runs, live.items()):
+        decode_s = sum(steps[name])
+        kept, seen = kept_and_seen(cache, like["prompt_len"] + like["gen_len"])
+        rows.append(dict(
+            section="same_memory", policy=name, policy_desc=describe(name, policies[name]),
+            prompt_len=like["prompt_len"], gen_len=like["gen_len"], batch=batch, threads=like["threads"],
+            dtype=like["dtype"], kv_bytes=kv_bytes(cache)[0], decode_s=decode_s,
+            decode_tok_s=batch * like["gen_len"] / decode_s, seen_tokens=seen, kept_tokens=kept,
+            peak_mem_bytes=peak, peak_mem_delta_bytes=peak_delta,
+            mem_kind=memory.kind + ("-together" if len(runs) > 1 else ""),
+        ))  # fmt: skip
+    return rows

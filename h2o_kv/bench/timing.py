@@ -15,7 +15,7 @@ from h2o_kv.generation import decode_step
 from h2o_kv.generation import prefill as model_prefill
 from h2o_kv.policies import Budget, Full
 
-from .config import Cache, Row, describe, new_cache, policy_for
+from .config import Cache, Row, describe, new_cache, policy_for, use_path
 from .memory import PeakMemory, kept_and_seen, kv_bytes
 
 
@@ -34,47 +34,82 @@ def prefill(model: torch.nn.Module, cache: Cache, input_ids: torch.Tensor) -> tu
 
 def decode_steps(model: torch.nn.Module, cache: Cache, token: torch.Tensor, start: int, steps: int) -> list[float]:
     """Seconds per greedy step: each step feeds the previous token [B] at position `start` + i."""
-    seconds = []
-    position = torch.full_like(token, start)
-    for _ in range(steps):
-        begin = time.perf_counter()
-        token = decode_step(model, cache, token, position).argmax(-1)
-        sync(token.device)
-        seconds.append(time.perf_counter() - begin)
-        position += 1
+    return decode_in_turn(model, {"": [cache, token]}, start, steps)[""]
+
+
+def decode_in_turn(model: torch.nn.Module, live: dict[str, list], start: int, steps: int) -> dict[str, list[float]]:
+    """Greedy steps of several caches in turn, one step each, so that a machine speeding up or slowing
+    down hits them alike: `live` maps a bench name to [cache, previous token [B]] (updated); returns each
+    name's seconds per step. The attention path is switched between names outside the timed region."""
+    seconds: dict[str, list[float]] = {name: [] for name in live}
+    for step in range(steps):
+        for name, state in live.items():
+            if len(live) > 1:
+                use_path(model, name)
+            position = torch.full_like(state[1], start + step)  # batches may differ between names
+            begin = time.perf_counter()
+            state[1] = decode_step(model, state[0], state[1], position).argmax(-1)
+            sync(state[1].device)
+            seconds[name].append(time.perf_counter() - begin)
     return seconds
 
 
-def bench_config(
+def bench_config(model: torch.nn.Module, input_ids: torch.Tensor, name: str, **run) -> Row:
+    """One sweep row: one configuration on its own (`bench_together`'s arguments)."""
+    return bench_together(model, input_ids, [name], **run)[0]
+
+
+def bench_together(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
-    name: str,
+    names: list[str],
     *,
     budget: Budget,
     gen_len: int,
     repeats: int,
     warmup: int,
     prefill_chunk: int | None = None,
-) -> Row:
-    """One sweep row: medians over `repeats` timed runs (after `warmup` untimed ones) of one configuration."""
+) -> list[Row]:
+    """One sweep row per name: medians over `repeats` timed runs (after `warmup` untimed ones).
+
+    With several names a run prefills every cache, then decodes them in turn (`decode_in_turn`): the
+    step-time ratios between them are then immune to the machine's drift, and all caches are held at
+    once. A row's peak memory covers its whole run when it is alone, its cache and prefill when interleaved.
+    """
     batch, prompt_len = input_ids.shape
-    policy = policy_for(name, budget, prompt_len)
+    policies = {name: policy_for(name, budget, prompt_len) for name in names}
     memory = PeakMemory(input_ids.device)
-    prefills, step_runs, peaks = [], [], []
+    seen = {name: dict(prefill_s=[], step_s=[], peaks=[]) for name in names}  # per name, over the timed runs
     for run in range(warmup + repeats):
-        memory.start()
-        cache = new_cache(model, name, policy, max_len=prompt_len + gen_len, prefill_chunk=prefill_chunk)
-        token, prefill_s = prefill(model, cache, input_ids)
-        steps = decode_steps(model, cache, token, prompt_len, gen_len)
-        if run >= warmup:
-            prefills.append(prefill_s)
-            step_runs.append(steps)
-            peaks.append(memory.stop())
-        sizes, (kept, seen) = kv_bytes(cache), kept_and_seen(cache, prompt_len + gen_len)
-        del cache
-    step_s = [statistics.median(column) for column in zip(*step_runs)]
-    prefill_s, decode_s = statistics.median(prefills), statistics.median(map(sum, step_runs))
-    peak, peak_delta = max(peaks, key=lambda p: p[1])
+        live, peak = {}, {}
+        for name in names:
+            memory.start()
+            cache = new_cache(model, name, policies[name], max_len=prompt_len + gen_len, prefill_chunk=prefill_chunk)
+            token, seconds = prefill(model, cache, input_ids)
+            live[name] = [cache, token]
+            peak[name] = memory.stop() if len(names) > 1 else None
+            if run >= warmup:
+                seen[name]["prefill_s"].append(seconds)
+        steps = decode_in_turn(model, live, prompt_len, gen_len)
+        for name, (cache, _) in live.items():
+            seen[name]["sizes"] = kv_bytes(cache), kept_and_seen(cache, prompt_len + gen_len)
+            if run >= warmup:
+                seen[name]["step_s"].append(steps[name])
+                seen[name]["peaks"].append(peak[name] or memory.stop())
+        del live, cache
+    settings = dict(budget=budget, gen_len=gen_len, repeats=repeats, prefill_chunk=prefill_chunk,
+                    interleaved=len(names) > 1, mem_kind=memory.kind + ("-prefill" if len(names) > 1 else ""))  # fmt: skip
+    return [_row(model, input_ids, name, policies[name], seen[name], **settings) for name in names]
+
+
+def _row(model: torch.nn.Module, input_ids: torch.Tensor, name: str, policy, seen: dict, *, budget: Budget,
+         gen_len: int, repeats: int, prefill_chunk: int | None, interleaved: bool, mem_kind: str) -> Row:  # fmt: skip
+    """A sweep row from what `bench_together` saw of one name: medians over its timed runs."""
+    batch, prompt_len = input_ids.shape
+    step_s = [statistics.median(column) for column in zip(*seen["step_s"])]
+    prefill_s, decode_s = statistics.median(seen["prefill_s"]), statistics.median(map(sum, seen["step_s"]))
+    peak, peak_delta = max(seen["peaks"], key=lambda p: p[1])
+    (kv, cache_bytes), (kept, seen_tokens) = seen["sizes"]
     bounded = policy is not None and not isinstance(policy, Full)
     return dict(
         section="sweep", policy=name, policy_desc=describe(name, policy),
@@ -82,10 +117,10 @@ def bench_config(
         prompt_len=prompt_len, gen_len=gen_len, batch=batch, threads=torch.get_num_threads(),
         dtype=str(next(model.parameters()).dtype).removeprefix("torch."), repeats=repeats,
         prefill_chunk=prefill_chunk, prefill_s=prefill_s, prefill_tok_s=batch * prompt_len / prefill_s,
-        decode_s=decode_s, decode_tok_s=batch * gen_len / decode_s,
+        decode_s=decode_s, decode_tok_s=batch * gen_len / decode_s, interleaved=interleaved,
         step_ms=[1000 * s for s in step_s], step_ms_first=1000 * step_s[0], step_ms_last=1000 * step_s[-1],
-        kv_bytes=sizes[0], cache_bytes=sizes[1], seen_tokens=seen, kept_tokens=kept,
-        peak_mem_bytes=peak, peak_mem_delta_bytes=peak_delta, mem_kind=memory.kind,
+        kv_bytes=kv, cache_bytes=cache_bytes, seen_tokens=seen_tokens, kept_tokens=kept,
+        peak_mem_bytes=peak, peak_mem_delta_bytes=peak_delta, mem_kind=mem_kind,
     )  # fmt: skip
 
 

@@ -41,7 +41,7 @@ def decode_in_turn(model: torch.nn.Module, live: dict[str, list], start: int, st
     """Greedy steps of several caches in turn, one step each, so that a machine speeding up or slowing
     down hits them alike: `live` maps a bench name to [cache, previous token [B]] (updated); returns each
     name's seconds per step. The attention path is switched between names outside the timed region."""
-    seconds: dict[str, list[float]] = {name: [] for name in live}
+    seconds: dict[str, list[float]] = {name: [] for name in live}  # one cache: on the path the model is on
     for step in range(steps):
         for name, state in live.items():
             if len(live) > 1:

@@ -300,7 +300,8 @@ def test_interleaved_bench_has_the_same_accounting(run):
                                    text="To be, or not to be, that is the question. " * 20)  # fmt: skip
     finally:
         torch.set_num_threads(threads)
-    alone = {(r["section"], r["policy"]): r for r in rows if r["prompt_len"] == max(PROMPT_LENS) and r["batch"] == max(BATCHES)}
+    size = (max(PROMPT_LENS), max(BATCHES))
+    alone = {(r["section"], r["policy"]): r for r in rows if (r["prompt_len"], r["batch"]) == size}
     same_alone = {r["policy"]: r for r in rows if r["section"] == "same_memory"}
     assert {(r["section"], r["policy"]) for r in together} == {*(("sweep", p) for p in bench.POLICIES),
                                                                *(("same_memory", p) for p in same_alone)}  # fmt: skip

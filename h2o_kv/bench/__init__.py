@@ -26,6 +26,7 @@ BASELINE = DYNAMIC  # the stock baseline's name, "full-sdpa"
 __all__ = [
     "BASELINE", "BASELINES", "DYNAMIC", "POLICIES", "SIZES", "STATIC", "SAME_MEMORY_COLUMNS", "STEP_COLUMNS",
     "SWEEP_COLUMNS", "PeakMemory", "add_arguments", "add_parser", "add_ratios", "add_roofline", "bench_config",
-    "bench_together", "check_bars", "decode_in_turn", "decode_steps", "format_bars", "kept_and_seen", "kv_bytes", "load_text", "main", "new_cache",
-    "policy_for", "prefill", "prompt_ids", "run_bench", "summary_table", "write_results",
+    "bench_together", "check_bars", "decode_in_turn", "decode_steps", "format_bars", "kept_and_seen", "kv_bytes",
+    "load_text", "main", "new_cache", "policy_for", "prefill", "prompt_ids", "run_bench", "summary_table",
+    "write_results",
 ]  # fmt: skip

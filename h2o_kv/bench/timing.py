@@ -97,8 +97,9 @@ def bench_together(
                 seen[name]["step_s"].append(steps[name])
                 seen[name]["peaks"].append(peak[name] or memory.stop())
         del live, cache
+    together = len(names) > 1
     settings = dict(budget=budget, gen_len=gen_len, repeats=repeats, prefill_chunk=prefill_chunk,
-                    interleaved=len(names) > 1, mem_kind=memory.kind + ("-prefill" if len(names) > 1 else ""))  # fmt: skip
+                    interleaved=together, mem_kind=memory.kind + ("-prefill" if together else ""))  # fmt: skip
     return [_row(model, input_ids, name, policies[name], seen[name], **settings) for name in names]
 
 

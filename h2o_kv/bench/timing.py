@@ -79,7 +79,7 @@ def bench_together(
     batch, prompt_len = input_ids.shape
     policies = {name: policy_for(name, budget, prompt_len) for name in names}
     memory = PeakMemory(input_ids.device)
-    seen = {name: dict(prefill_s=[], step_s=[], peaks=[]) for name in names}  # per name, over the timed runs
+    record = {name: dict(prefill_s=[], step_s=[], peaks=[]) for name in names}  # per name, over the timed runs
     for run in range(warmup + repeats):
         live, peak = {}, {}
         for name in names:
@@ -89,28 +89,28 @@ def bench_together(
             live[name] = [cache, token]
             peak[name] = memory.stop() if len(names) > 1 else None
             if run >= warmup:
-                seen[name]["prefill_s"].append(seconds)
+                record[name]["prefill_s"].append(seconds)
         steps = decode_in_turn(model, live, prompt_len, gen_len)
         for name, (cache, _) in live.items():
-            seen[name]["sizes"] = kv_bytes(cache), kept_and_seen(cache, prompt_len + gen_len)
+            record[name]["sizes"] = kv_bytes(cache), kept_and_seen(cache, prompt_len + gen_len)
             if run >= warmup:
-                seen[name]["step_s"].append(steps[name])
-                seen[name]["peaks"].append(peak[name] or memory.stop())
+                record[name]["step_s"].append(steps[name])
+                record[name]["peaks"].append(peak[name] or memory.stop())
         del live, cache
     together = len(names) > 1
     settings = dict(budget=budget, gen_len=gen_len, repeats=repeats, prefill_chunk=prefill_chunk,
                     interleaved=together, mem_kind=memory.kind + ("-prefill" if together else ""))  # fmt: skip
-    return [_row(model, input_ids, name, policies[name], seen[name], **settings) for name in names]
+    return [_row(model, input_ids, name, policies[name], record[name], **settings) for name in names]
 
 
-def _row(model: torch.nn.Module, input_ids: torch.Tensor, name: str, policy, seen: dict, *, budget: Budget,
+def _row(model: torch.nn.Module, input_ids: torch.Tensor, name: str, policy, record: dict, *, budget: Budget,
          gen_len: int, repeats: int, prefill_chunk: int | None, interleaved: bool, mem_kind: str) -> Row:  # fmt: skip
     """A sweep row from what `bench_together` saw of one name: medians over its timed runs."""
     batch, prompt_len = input_ids.shape
-    step_s = [statistics.median(column) for column in zip(*seen["step_s"])]
-    prefill_s, decode_s = statistics.median(seen["prefill_s"]), statistics.median(map(sum, seen["step_s"]))
-    peak, peak_delta = max(seen["peaks"], key=lambda p: p[1])
-    (kv, cache_bytes), (kept, seen_tokens) = seen["sizes"]
+    step_s = [statistics.median(column) for column in zip(*record["step_s"])]
+    prefill_s, decode_s = statistics.median(record["prefill_s"]), statistics.median(map(sum, record["step_s"]))
+    peak, peak_delta = max(record["peaks"], key=lambda p: p[1])
+    (kv, cache_bytes), (kept, seen_tokens) = record["sizes"]
     bounded = policy is not None and not isinstance(policy, Full)
     return dict(
         section="sweep", policy=name, policy_desc=describe(name, policy),

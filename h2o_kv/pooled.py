@@ -36,6 +36,7 @@ class PooledKVLayer(KVLayer):
     # the slots the last decode step freed, [B, 1, heads] in slot order, with the `pos` tensor they index:
     # the next step writes there (any batch change or compaction makes a new `pos`, and they are not used)
     vacant: tuple[torch.Tensor, torch.Tensor] | None = None
+    decode_tags: torch.Tensor | None = None  # [B, 1, heads]: a decode step's new slots' heads
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         heads = key_states.shape[1]
@@ -86,11 +87,11 @@ class PooledKVLayer(KVLayer):
 
     def _tags(self, batch: int, n: int) -> torch.Tensor:
         """Each new slot's head, [B, 1, n x heads] token-major (a decode step's is kept)."""
-        tags = getattr(self, "_decode_tags", None)
+        tags = self.decode_tags
         if n != 1 or tags is None or tags.shape[0] != batch:
             tags = torch.arange(self.kv_heads, dtype=torch.int8, device=self.device).repeat(n).expand(batch, 1, -1)
             if n == 1:
-                self._decode_tags = tags
+                self.decode_tags = tags
         return tags
 
     def _attend(self, query: torch.Tensor, positions: torch.Tensor, *, new_from: int | None, **options):

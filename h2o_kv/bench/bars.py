@@ -100,6 +100,8 @@ def format_bars(bars: list[Row]) -> str:
 def summary_table(rows: list[Row]) -> str:
     """A compact text table of the sweep and the same-memory rows."""
     lines = [_table_line(name for name, _ in TABLE)]
+    if any(r.get("interleaved") or r.get("mem_kind", "").endswith("-together") for r in rows):
+        lines.insert(0, "interleaved: the caches of each size decoded in turn, one step each (--interleave)")
     for r in rows:
         cells = (
             r["policy"], r["threads"], r["prompt_len"], r["batch"], _num(r.get("prefill_s"), ".2f"),

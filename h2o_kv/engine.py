@@ -172,10 +172,12 @@ class Engine:
             self.peaks = {"running": 0, "kv_bytes_in_use": 0}
             self._note_peaks()
 
-    def _note_peaks(self) -> None:
-        """Called where a step holds most: after admission and after each forward, before anyone leaves."""
+    def _note_peaks(self, kv_bytes: bool = True) -> None:
+        """Called where a step holds most: after admission (requests; the new caches are still empty) and
+        after each forward (requests and KV bytes), before anyone leaves."""
         self.peaks["running"] = max(self.peaks["running"], self._running())
-        self.peaks["kv_bytes_in_use"] = max(self.peaks["kv_bytes_in_use"], self.kv_bytes_in_use())
+        if kv_bytes:
+            self.peaks["kv_bytes_in_use"] = max(self.peaks["kv_bytes_in_use"], self.kv_bytes_in_use())
 
     def run(self) -> None:
         """Step until no request is left."""
@@ -215,7 +217,7 @@ class Engine:
         with self._lock:
             self._drop_cancelled()
             self._admit()
-            self._note_peaks()
+            self._note_peaks(kv_bytes=False)
             work = bool(self._prefill or self._groups)
         if self._prefill:
             self._prefill_chunk()

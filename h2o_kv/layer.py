@@ -36,6 +36,10 @@ class KVLayer(CacheLayerMixin):
     is_croppable = False
     spare = 1  # slots one decode step adds before it evicts (the incoming token's)
     head = None  # [B, 1, S] KV head of each slot in a head-pooled layer (pooled.py); None here
+    # the empty slots the last decode step left, [B, H, spare], with the `pos` tensor they index: the next
+    # step writes there (any batch change, growth or compaction makes a new `pos`, and they are not used)
+    vacant: tuple[torch.Tensor, torch.Tensor] | None = None
+    memo: tuple[torch.Tensor | None, dict] = (None, {})  # per-prompt values (`per_prompt`) and their `prompt_len`
 
     def __init__(self, settings: Settings, layer_idx: int) -> None:
         super().__init__()
@@ -275,8 +279,12 @@ class KVLayer(CacheLayerMixin):
         """
         batch, heads, n, _ = keys.shape
         if self.settings.mode == "drop" and n == 1:
-            self._reserve(self.kept_bound + self.spare)
-            slots = self.pos.argmin(-1, keepdim=True)  # the first empty slot (pos -1); _reserve left one
+            vacant, self.vacant = self.vacant, None
+            if vacant is not None and vacant[1] is self.pos:  # the slot the last step's eviction left
+                slots = vacant[0]
+            else:
+                self._reserve(self.kept_bound + self.spare)
+                slots = self.pos.argmin(-1, keepdim=True)  # the first empty slot (pos -1); _reserve left one
             first, self.used = None, self.keys.shape[2]  # the free slot may be anywhere
         else:
             first = self.used
@@ -331,8 +339,11 @@ class KVLayer(CacheLayerMixin):
                 self._compact(self.kept_bound + self.spare)  # the window freed more than the policy would have
             return
         valid = self.pos >= 0
+        state = self.slot_state(next_pos)
+        if added == 1 and self.spare == 1 and self.pos.shape[-1] > self.max_capacity:
+            self._evict_one(valid, state)
+            return
         excess = valid.sum(-1) - self.capacity  # [B, H]
-        state = SlotState(self.pos, self.score, self.last, next_pos, self.prompt_len)
         priority = torch.where(valid, self.policy.priority(state), float("inf"))
         if added == 1 and self.spare == 1:  # decoding: every head was within capacity, so at most one token to drop
             lowest = priority.amin(-1, keepdim=True)
@@ -354,6 +365,30 @@ class KVLayer(CacheLayerMixin):
         self.kept_bound = min(self.kept_bound, self.max_capacity)
         if self.settings.mode == "drop" and self.keys.shape[2] > self.max_capacity + self.spare:
             self._compact(self.max_capacity + self.spare)
+
+    def _evict_one(self, valid: torch.Tensor, state: SlotState) -> None:
+        """A decode step's eviction once the storage has more slots than any capacity: each head over its
+        capacity frees the oldest of its lowest priorities, and each head within it has an empty slot,
+        which it "frees" instead (its empty slots rank lowest). Either way every head ends with the slot
+        the next step writes to (`vacant`), and no kernel has to ask which heads evict."""
+        over = valid.sum(-1, keepdim=True) > self.capacity.view(-1, 1, 1)  # [B, H, 1]
+        empty_rank = torch.where(over, float("inf"), float("-inf"))
+        priority = torch.where(valid, self.policy.priority(state), empty_rank)
+        lowest = priority.amin(-1, keepdim=True)
+        oldest = torch.where(priority == lowest, self.pos, torch.iinfo(torch.int64).max)
+        victim = oldest.argmin(-1, keepdim=True)  # [B, H, 1]: the oldest of the lowest (an empty slot: pos -1)
+        for name, empty in (("pos", -1), ("score", 0.0), ("last", 0.0)):
+            if getattr(self, name) is not None:
+                getattr(self, name).scatter_(2, victim, empty)
+        if self.settings.mode == "drop":
+            self.vacant = (victim, self.pos)
+        self.kept_bound = min(self.kept_bound, self.max_capacity)
+
+    def slot_state(self, next_pos: torch.Tensor) -> SlotState:
+        """What the policy ranks (`next_pos` [B] or [B, 1, 1]), with this layer's per-prompt memo."""
+        if self.memo[0] is not self.prompt_len:
+            self.memo = (self.prompt_len, {})
+        return SlotState(self.pos, self.score, self.last, next_pos.view(-1, 1, 1), self.prompt_len, self.memo[1])
 
     def _free(self, mask: torch.Tensor) -> None:
         self.pos.masked_fill_(mask, -1)

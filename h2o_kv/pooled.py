@@ -26,16 +26,12 @@ import torch
 
 from .kernel import attend
 from .layer import KVLayer
-from .policies import SlotState
 
 POS_SPAN = 1 << 40  # a position is below this (MAX_TOKENS), so head * POS_SPAN + pos orders by (head, pos)
 
 
 class PooledKVLayer(KVLayer):
     query_head: torch.Tensor | None = None  # [heads, group]: each query head's KV head, from the first query
-    # the slots the last decode step freed, [B, 1, heads] in slot order, with the `pos` tensor they index:
-    # the next step writes there (any batch change or compaction makes a new `pos`, and they are not used)
-    vacant: tuple[torch.Tensor, torch.Tensor] | None = None
     decode_tags: torch.Tensor | None = None  # [B, 1, heads]: a decode step's new slots' heads
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -151,7 +147,7 @@ class PooledKVLayer(KVLayer):
             return super()._evict(next_pos, window, added)
         valid = self.pos >= 0
         excess = (valid.sum(-1) - self.capacity).clamp_(min=0).unsqueeze(-1)  # [B, 1, 1]
-        state = SlotState(self.pos, self.score, self.last, next_pos.view(-1, 1, 1), self.prompt_len)
+        state = self.slot_state(next_pos)
         priority = torch.where(valid, self.policy.priority(state), float("inf"))
         lowest = torch.topk(priority, min(self.spare + 1, priority.shape[-1]), dim=-1, largest=False)
         last_out = lowest.values.gather(-1, (excess - 1).clamp(min=0))

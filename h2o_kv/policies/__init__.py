@@ -1,7 +1,7 @@
 """Eviction policies: what to evict. One small file per policy."""
 
 from .adakv import AdaKV
-from .base import MAX_TOKENS, Policy, SlotState
+from .base import MAX_TOKENS, Policy, SlotState, per_prompt
 from .full import Full
 from .h2o import H2O
 from .layers import LayerBudgets
@@ -15,6 +15,7 @@ __all__ = [
     "MAX_TOKENS",
     "Policy",
     "SlotState",
+    "per_prompt",
     "Full",
     "H2O",
     "Local",

@@ -7,8 +7,9 @@ ties go to the oldest token). The cache does the bookkeeping; a policy only rank
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ClassVar, TypeVar
 
 import torch
 
@@ -24,6 +25,18 @@ class SlotState:
     last: torch.Tensor | None  # [B, H, S] float32 attention from the most recent query, if needed
     next_pos: torch.Tensor  # [B, 1, 1] int64 position the next token of each sequence will take
     prompt_len: torch.Tensor  # [B, 1, 1] int64 real tokens in the first call (for ratio budgets)
+    memo: dict = field(default_factory=dict)  # the layer's, kept while `prompt_len` is one tensor (`per_prompt`)
+
+
+T = TypeVar("T")
+
+
+def per_prompt(state: SlotState, key: str, compute: Callable[[torch.Tensor], T]) -> T:
+    """`compute(state.prompt_len)`, once per layer and batch: a decode step evicts in every layer, and
+    values that depend only on the prompt lengths (an H2O split) are a few small kernels each time."""
+    if key not in state.memo:
+        state.memo[key] = compute(state.prompt_len)
+    return state.memo[key]
 
 
 @dataclass(frozen=True)

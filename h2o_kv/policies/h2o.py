@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Policy, SlotState, check_budget, check_ratio, check_size, ratio_of, tokens_of
+from .base import Policy, SlotState, check_budget, check_ratio, check_size, per_prompt, ratio_of, tokens_of
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class H2O(Policy):
         return heavy + recent
 
     def priority(self, state: SlotState) -> torch.Tensor:
-        _, recent = self.split(state.prompt_len)
+        recent = per_prompt(state, "recent", lambda prompt_len: self.split(prompt_len)[1])
         is_recent = state.pos >= state.next_pos - recent
         score = state.score
         if self.normalize:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Policy, SlotState, check_budget, check_size, tokens_of
+from .base import Policy, SlotState, check_budget, check_size, per_prompt, tokens_of
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class SnapKV(Policy):
         return tokens_of(self.budget, prompt_len)
 
     def priority(self, state: SlotState) -> torch.Tensor:
-        _, recent = self.split(state.prompt_len)
+        recent = per_prompt(state, "recent", lambda prompt_len: self.split(prompt_len)[1])
         return state.score.masked_fill(state.pos >= state.next_pos - recent, float("inf"))
 
     def describe(self) -> str:

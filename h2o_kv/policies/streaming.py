@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Policy, SlotState, check_budget, check_size, tokens_of
+from .base import Policy, SlotState, check_budget, check_size, per_prompt, tokens_of
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class StreamingLLM(Policy):
 
     def priority(self, state: SlotState) -> torch.Tensor:
         age_order = state.pos.to(torch.float32)
-        return age_order.masked_fill(state.pos < self._sinks(state.prompt_len), float("inf"))
+        return age_order.masked_fill(state.pos < per_prompt(state, "sinks", self._sinks), float("inf"))
 
     def describe(self) -> str:
         if self.budget is None:

@@ -158,3 +158,30 @@ def test_scores_accumulate_in_float32_and_are_forgotten_on_eviction():
     assert torch.all(layer.score[layer.pos < 0] == 0)
     # every kept token's score is the attention it received: bounded by queries x group heads seen
     assert torch.all(layer.score[layer.pos >= 0] > 0)
+
+
+def test_per_prompt_values_are_computed_once_per_layer_and_batch():
+    """A decode step evicts in every layer: an H2O split is computed once, again only when the rows change."""
+    splits = []
+
+    class CountingH2O(h2o_kv.H2O):
+        def split(self, prompt_len):
+            splits.append(prompt_len.shape[0])
+            return super().split(prompt_len)
+
+    q, k, v = random_qkv(batch=2, total=24, seed=23)
+    layer = KVLayer(Settings(CountingH2O(budget=0.5)), 0)
+    mask = causal_mask(torch.ones(2, 12, dtype=torch.bool))
+    layer.update(k[:, :, :12], v[:, :, :12])
+    layer.forward_attention(q[:, :, :12], mask, scaling=0.125)
+    ranked = len(splits)  # the settings' and the budget's capacity, and the prompt's eviction
+    for t in range(12, 18):
+        layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        layer.forward_attention(q[:, :, t : t + 1], None, scaling=0.125)
+    assert len(splits) == ranked and layer.vacant is not None
+    layer.select_rows(torch.tensor([1]))
+    for t in range(18, 21):
+        layer.update(k[1:, :, t : t + 1], v[1:, :, t : t + 1])
+        layer.forward_attention(q[1:, :, t : t + 1], None, scaling=0.125)
+    assert splits[ranked:] == [1]  # the new batch's split, once
+    assert int(layer.kept().max()) == 6

@@ -57,7 +57,8 @@ class Policy:
         raise NotImplementedError
 
     def priority(self, state: SlotState) -> torch.Tensor:
-        """[B, H, S] float keep-priority: the lowest is evicted first (ties: the oldest)."""
+        """[B, H, S] float keep-priority: the lowest is evicted first (ties: the oldest). Called in every
+        layer at every decode step: compute what depends only on the prompt lengths with `per_prompt`."""
         raise NotImplementedError
 
     def for_layer(self, layer_idx: int, config) -> Policy:

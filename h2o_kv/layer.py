@@ -417,8 +417,11 @@ class KVLayer(CacheLayerMixin):
 
     def _attend(self, query: torch.Tensor, positions: torch.Tensor, **options):
         """`kernel.attend` of a call's queries over this layer's slots (a head-pooled layer masks by head)."""
+        work = None  # int8 storage, decoding: widened into the cache's buffer, not a fresh tensor per layer
+        if self.key_scale is not None and query.shape[2] == 1:
+            work = self.settings.work(self.keys.numel() + self.values.numel(), query)
         return attend(query, self.keys, self.values, self.pos, positions, key_scale=self.key_scale,
-                      value_scale=self.value_scale, **options)  # fmt: skip
+                      value_scale=self.value_scale, work=work, **options)  # fmt: skip
 
     def nbytes(self) -> int:
         tensors = (self.keys, self.values, self.pos, self.score, self.last, self.key_scale, self.value_scale, self.head)

@@ -314,3 +314,22 @@ def test_interleaved_bench_has_the_same_accounting(run):
             assert r["cache_bytes"] == ref["cache_bytes"] and not ref["interleaved"]
         else:
             assert r["mem_kind"].endswith("-together") and r["decode_tok_s"] > 0
+
+
+def test_same_memory_runs_int8_storage_at_a_bigger_batch():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rows = bench.run_bench(make_model("llama"), CharTokenizer(), policies=["static-sdpa", "h2o", "h2o-int8"],
+                               budget=BUDGET, prompt_lens=[80], gen_len=GEN, batch_sizes=[2], threads=[1],
+                               progress=False, text="To be, or not to be, that is the question. " * 20)  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    same = {r["policy"]: r for r in rows if r["section"] == "same_memory"}
+    assert set(same) == {"static-sdpa", "h2o", "h2o-int8"}
+    assert same["static-sdpa"]["batch"] < same["h2o"]["batch"] < same["h2o-int8"]["batch"]
+    for r in same.values():
+        assert r["kv_bytes"] <= r["cap_bytes"] and r["kept_tokens"] <= r["seen_tokens"]
+    bars = {b["bar"]: b for b in bench.check_bars(rows)}
+    int8_bar = bars["same memory, int8 KV: H2O's bigger batch >= 4x static-sdpa tok/s"]
+    assert int8_bar["passed"] is not None and f"batch {same['h2o-int8']['batch']} vs 2" in int8_bar["detail"]

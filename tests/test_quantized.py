@@ -128,3 +128,26 @@ def test_int8_and_float_caches_do_not_join():
 def test_invalid_kv_dtype_is_refused(bad):
     with pytest.raises(ValueError, match="kv_dtype"):
         h2o_kv.KVCache(h2o_kv.H2O(heavy=4, recent=4), kv_dtype=bad)
+
+
+def test_int8_decoding_widens_into_one_reused_buffer():
+    """A decode step widens each layer's int8 keys and values into the cache's buffer, not a fresh
+    tensor per layer (new memory costs page faults): one buffer, kept across steps, the same outputs."""
+    from h2o_kv.kernel import attend_one
+
+    model, ids = make_model("llama"), random_ids(2, 40)
+    cache = h2o_kv.KVCache(h2o_kv.H2O(heavy=8, recent=8), kv_dtype="int8")
+    decode(model, ids[:, :34], cache, prefill=30)
+    work = cache.settings._work
+    layer = cache.layers[0]
+    assert work is not None and work.numel() >= layer.keys.numel() + layer.values.numel()
+    with torch.no_grad():
+        for t in range(34, 40):
+            model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+    assert cache.settings._work is work  # the same buffer for every layer and step
+    q = torch.randn(2, model.config.num_attention_heads, 1, layer.keys.shape[-1])
+    args = (q, layer.keys, layer.values, layer.pos)
+    options = dict(scaling=0.125, want_scores=True, key_scale=layer.key_scale, value_scale=layer.value_scale)
+    out, scores, _ = attend_one(*args, work=work, **options)
+    fresh_out, fresh_scores, _ = attend_one(*args, **options)
+    assert torch.equal(out, fresh_out) and torch.equal(scores, fresh_scores)

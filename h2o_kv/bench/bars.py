@@ -15,7 +15,10 @@ RATIO_BARS = (  # (bar, ours, reference, measure, comparison, limit)
     ("prefill H2O <= 1.3x full-sdpa time", "h2o", DYNAMIC, "prefill_s", "<=", 1.3),
     ("prefill H2O <= 1.3x static-sdpa time", "h2o", STATIC, "prefill_s", "<=", 1.3),
 )
-SAME_MEMORY_BAR = ("same memory: H2O's bigger batch >= 4x static-sdpa tok/s", "h2o", STATIC, 4.0)
+SAME_MEMORY_BARS = (  # the int8 one only where `h2o-int8` ran: its storage makes the batch bigger still
+    ("same memory: H2O's bigger batch >= 4x static-sdpa tok/s", "h2o", STATIC, 4.0),
+    ("same memory, int8 KV: H2O's bigger batch >= 4x static-sdpa tok/s", "h2o-int8", STATIC, 4.0),
+)
 ROOFLINE_LIMIT = 1.5  # H2O's last decode step within 1.5x of weights + kept KV read once
 TABLE = [  # the printed summary's (header, width)
     ("policy", 13), ("threads", 8), ("prompt", 7), ("batch", 6), ("prefill s", 10), ("decode tok/s", 13),
@@ -45,9 +48,11 @@ def check_bars(rows: list[Row]) -> list[Row]:
         _bar(name, at.get(ours), at.get(ref), check, f"{ours} and {ref}", where) for name, ours, ref, check in checks
     ]
     same = {r["policy"]: r for r in rows if r["section"] == "same_memory"}
-    name, ours, ref, limit = SAME_MEMORY_BAR
-    check = partial(_ratio_bar, key="decode_tok_s", op=">=", limit=limit)
-    bars.append(_bar(name, same.get(ours), same.get(ref), check, f"same-memory {ours} and {ref}", ""))
+    for name, ours, ref, limit in SAME_MEMORY_BARS:
+        if ours != SAME_MEMORY_BARS[0][1] and ours not in same:
+            continue
+        check = partial(_ratio_bar, key="decode_tok_s", op=">=", limit=limit)
+        bars.append(_bar(name, same.get(ours), same.get(ref), check, f"same-memory {ours} and {ref}", ""))
     return bars
 
 

@@ -35,6 +35,7 @@ SIZES: dict[str, dict[str, Any]] = {
     "large": dict(prompt_lens=[1024, 4096], batch_sizes=[1, 4], gen_len=64, repeats=3, warmup=0),
 }
 SAME_MEMORY_MAX_BATCH = 64  # keeps the "bigger batch" run affordable on a CPU
+SAME_MEMORY_POLICIES = (*BASELINES, "h2o", "h2o" + INT8)  # run at the same KV memory when they were swept
 
 
 def policy_for(name: str, budget: Budget, prompt_len: int) -> Policy | None:

@@ -16,6 +16,7 @@ from .config import (
     DYNAMIC,
     POLICIES,
     SAME_MEMORY_MAX_BATCH,
+    SAME_MEMORY_POLICIES,
     STATIC,
     Row,
     check_run,
@@ -146,7 +147,8 @@ def same_memory(
     device: torch.device,
     interleave: bool = False,
 ) -> list[Row]:
-    """Largest batch whose KV fits the cap, for each stock baseline and for H2O, and decode throughput there.
+    """Largest batch whose KV fits the cap, for each stock baseline and for H2O (float32 and int8 KV, when
+    swept), and decode throughput there.
 
     KV bytes per sequence come from the sweep's measurements at the longest prompt. The cap is
     `cap_gb` of KV memory, else the stock caches' measured KV at the largest batch of the sweep.
@@ -164,7 +166,7 @@ def same_memory(
     else:
         return []
     plan = {}  # name -> (batch, KV bytes per sequence)
-    for name in (n for n in (*BASELINES, "h2o") if n in widest):
+    for name in (n for n in SAME_MEMORY_POLICIES if n in widest):
         per_seq = widest[name]["kv_bytes"] / widest[name]["batch"]
         batch = min(SAME_MEMORY_MAX_BATCH, int(cap // per_seq))
         if batch >= 1:

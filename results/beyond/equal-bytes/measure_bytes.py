@@ -20,6 +20,7 @@ RUNS = [
     ("globalkv", "int8", 703, 1024, "kvpress 20 % at 1k: 9,160-9,166 KiB"),
     ("globalkv", "int8", 704, 2048, "kvpress 10 % at 2k: 9,171-9,173 KiB"),
     ("globalkv", "int8", 1410, 2048, "kvpress 20 % at 2k: 18,358-18,362 KiB"),
+    ("h2o", "int8", 1410, 2048, "kvpress 20 % at 2k: 18,358-18,362 KiB"),
     ("h2o", None, 102, 1024, "streaming perplexity, H2O float32 at 10 % of 1024"),
     ("h2o", "int8", 363, 1024, "streaming perplexity, H2O int8 at float32 10 %'s bytes"),
     ("h2o", None, 204, 1024, "streaming perplexity, H2O float32 at 20 % of 1024"),

@@ -25,6 +25,8 @@ variants = {
   "h2o_pyr1.3": h2o_kv.LayerBudgets(H2O(budget=cap), "pyramid", beta=1.3),
   "adakv_h2o": h2o_kv.AdaKV(H2O(budget=cap)),
   "adakv_snapkv": h2o_kv.AdaKV(SnapKV(budget=cap)),
+  # the budget's split: H2O keeps half of it for the recent window; these keep a share r of it
+  **{f"h2o_recent{r}": H2O(budget=cap, recent=max(1, int(cap * r))) for r in (0.1, 0.25, 0.75, 0.9)},
 }
 sel = sys.argv[4].split(",") if len(sys.argv) > 4 else list(variants)
 for name in sel:

@@ -3,7 +3,10 @@
 KIVI-style per-token scales (Liu et al., 2024, arXiv 2402.02750) fit eviction: a token's scale lives
 in its slot, so freeing, reusing or compacting slots moves it with the token. The layer quantizes
 new tokens on insert; the kernel applies the scales around its matmuls (q . k_j = s_j (q . k8_j),
-sum_j p_j s_j v8_j = (p * s) @ v8), so no dequantized copy of the storage is kept.
+sum_j p_j s_j v8_j = (p * s) @ v8), so no dequantized copy of the storage is kept. Torch has no
+int8 x float product on CPU, so a decode step widens one layer's int8 keys and values to float at a
+time, into a buffer the cache's layers share (`Settings.work`, `kernel.widen`): working memory of one
+layer's keys and values in float, not counted by `nbytes()`.
 """
 
 from __future__ import annotations

@@ -369,8 +369,8 @@ class KVLayer(CacheLayerMixin):
     def _evict_one(self, valid: torch.Tensor, state: SlotState) -> None:
         """A decode step's eviction once the storage has more slots than any capacity: each head over its
         capacity frees the oldest of its lowest priorities, and each head within it has an empty slot,
-        which it "frees" instead (its empty slots rank lowest). Either way every head ends with the slot
-        the next step writes to (`vacant`), and no kernel has to ask which heads evict."""
+        which it "frees" instead (its empty slots rank lowest). So each field is freed with one scatter,
+        without asking which heads evict, and every head ends with the slot the next step writes to (`vacant`)."""
         over = valid.sum(-1, keepdim=True) > self.capacity.view(-1, 1, 1)  # [B, H, 1]
         empty_rank = torch.where(over, float("inf"), float("-inf"))
         priority = torch.where(valid, self.policy.priority(state), empty_rank)

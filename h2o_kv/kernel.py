@@ -123,8 +123,8 @@ def widen(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 keys and values as `dtype` (torch has no int8 x float product on CPU), copied into `work`, a
     flat buffer of at least both sizes reused from call to call, when given: a fresh tensor of this size
-    is new memory the OS maps page by page, which costs several times the copy itself (at 4096 tokens x
-    batch 64 and 20 %, 21.6 against 2.3 ms per layer on this CPU)."""
+    is new memory the OS maps page by page, which costs several times the copy itself (one layer's keys
+    at 4096 tokens x batch 64 and 20 %: 21.7 against 1.3 ms on this CPU)."""
     if work is None:
         return keys.to(dtype), values.to(dtype)
     k, v = keys.numel(), values.numel()

@@ -8,7 +8,8 @@ absolute position (-1 = empty) and accumulated score. A forward call with n new 
      the scores, and evicts down to the policy's capacity by freeing slots (docs/eviction.md).
 In "drop" mode freed slots are reused, so once full the storage stays `capacity + 1` slots
 (the extra slot takes the incoming token while decoding). In "mask" mode (the paper's accuracy
-protocol) nothing is ever freed: evicted tokens stay in memory, masked per head.
+protocol) nothing is ever freed: evicted tokens stay in memory, masked per head. Sequences come and
+go (select, repeat, join) through the `rows.Rows` methods.
 """
 
 from __future__ import annotations
@@ -19,16 +20,15 @@ from transformers.cache_utils import CacheLayerMixin
 from .kernel import attend
 from .policies import SlotState
 from .quant import quantize
+from .rows import SLOT_FIELDS, Rows, grow
 from .settings import Mode, PaddingMemo, Settings
 
 __all__ = ["KVLayer", "Mode", "PaddingMemo", "Settings", "GROWTH"]
 
 GROWTH = 256  # slots added at a time to an unbounded (Full) cache
-SLOT_FIELDS = ("keys", "values", "pos", "score", "last", "key_scale", "value_scale", "head")  # [B, H, S, ...], or None
-ROW_FIELDS = ("next_pos", "prompt_len", "capacity")  # per-sequence tensors, [B, ...]
 
 
-class KVLayer(CacheLayerMixin):
+class KVLayer(Rows, CacheLayerMixin):
     """One attention layer's slots. Everything is per (sequence, KV head); no Python loops over them."""
 
     is_sliding = False
@@ -107,74 +107,6 @@ class KVLayer(CacheLayerMixin):
         self.keys = self.values = None
         self.pending = None
         self.seen = 0
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.batch_select_indices(beam_idx)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_batch(lambda t: t.index_select(0, indices.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def _map_batch(self, fn) -> None:
-        if not self.is_initialized:
-            return
-        for name in SLOT_FIELDS + ROW_FIELDS:
-            value = getattr(self, name)
-            if value is not None:
-                setattr(self, name, fn(value))
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep these sequences only; storage shrinks to the most tokens a kept row holds (+1 in drop mode)."""
-        if not self.is_initialized:
-            return
-        self.batch_select_indices(rows)
-        self._refresh_bounds()
-        if self.settings.mode == "drop":
-            self._compact(self.kept_bound + self.spare if self.pos.shape[0] else 0)
-
-    def append_rows(self, other: KVLayer) -> None:
-        """Add the sequences of another layer (same model and policy) after this layer's rows."""
-        if not other.is_initialized or other.prompt_len is None:
-            raise ValueError("only sequences whose prompt has been through the cache can join a batch")
-        if not self.is_initialized:
-            copied = ("dtype", "device", "policy", "used", "seen", "kept_bound", "decoded", "kv_heads", "spare")
-            for name in (*copied, *SLOT_FIELDS, *ROW_FIELDS):
-                setattr(self, name, getattr(other, name))
-            self.is_initialized = True
-            self._refresh_bounds()
-            return
-        if self.keys.shape[1:2] + self.keys.shape[3:] != other.keys.shape[1:2] + other.keys.shape[3:]:
-            raise ValueError(
-                f"cannot join sequences of another model: KV heads x head size {tuple(other.keys.shape[1::2])} "
-                f"vs {tuple(self.keys.shape[1::2])}"
-            )
-        width = max(self.keys.shape[2], other.keys.shape[2])
-        for name in SLOT_FIELDS:
-            mine, theirs = getattr(self, name), getattr(other, name)
-            if mine is None:
-                continue
-            fill = -1 if name == "pos" else 0
-            mine, theirs = _grow(mine, width - mine.shape[2], fill), _grow(theirs, width - theirs.shape[2], fill)
-            setattr(self, name, torch.cat([mine, theirs]))
-        for name in ROW_FIELDS:
-            mine, theirs = getattr(self, name), getattr(other, name)
-            if (mine is None) != (theirs is None):
-                raise ValueError("cannot join a bounded sequence with an unbounded one")
-            if mine is not None:
-                setattr(self, name, torch.cat([mine, theirs]))
-        self.used = width
-        self.seen = max(self.seen, other.seen)
-        self.kept_bound = max(self.kept_bound, other.kept_bound)
-        self._refresh_bounds()
-
-    def _refresh_bounds(self) -> None:
-        """Python-side bounds from the per-row tensors (after rows came or went)."""
-        empty = self.pos.shape[0] == 0
-        if self.capacity is not None and not empty:
-            self.max_capacity, self.min_capacity = int(self.capacity.max()), int(self.capacity.min())
-        self.kept_bound = 0 if empty else int(self.occupied().max())
 
     # -- the work: insert, attend, evict ---------------------------------------------------------------
     def forward_attention(
@@ -321,7 +253,7 @@ class KVLayer(CacheLayerMixin):
             needed = -(-needed // GROWTH) * GROWTH
         for name in SLOT_FIELDS:
             if getattr(self, name) is not None:
-                setattr(self, name, _grow(getattr(self, name), needed - have, -1 if name == "pos" else 0))
+                setattr(self, name, grow(getattr(self, name), needed - have, -1 if name == "pos" else 0))
 
     def _evict(self, next_pos: torch.Tensor, window: int | None, added: int) -> None:
         """Free slots until every (sequence, head) holds at most `capacity` tokens.
@@ -432,8 +364,3 @@ def ranks_of(order: torch.Tensor) -> torch.Tensor:
     """Each slot's place in `order` (sort indices along the last dimension): the inverse permutation."""
     places = torch.arange(order.shape[-1], device=order.device).expand_as(order)
     return torch.empty_like(order).scatter_(-1, order, places)
-
-
-def _grow(t: torch.Tensor, extra: int, fill: float) -> torch.Tensor:
-    pad = t.new_full((*t.shape[:2], extra, *t.shape[3:]), fill)
-    return torch.cat([t, pad], dim=2)

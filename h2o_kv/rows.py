@@ -1,0 +1,92 @@
+"""A layer's sequences (its rows along the batch dimension): select, repeat, reorder and join them.
+
+transformers calls the first three (beam search, `num_return_sequences`); the engine's continuous
+batching calls `select_rows` when sequences finish and `append_rows` when new ones join. Mixed into
+`layer.KVLayer`, whose per-slot fields (`SLOT_FIELDS`, [B, H, S, ...]) and per-sequence fields
+(`ROW_FIELDS`, [B, ...]) move together, row by row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SLOT_FIELDS = ("keys", "values", "pos", "score", "last", "key_scale", "value_scale", "head")  # [B, H, S, ...], or None
+ROW_FIELDS = ("next_pos", "prompt_len", "capacity")  # per-sequence tensors, [B, ...]
+
+
+class Rows:
+    """The batch-row operations of a `KVLayer` (which provides the fields and `_compact`, `occupied`)."""
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t.index_select(0, indices.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def _map_batch(self, fn) -> None:
+        if not self.is_initialized:
+            return
+        for name in SLOT_FIELDS + ROW_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, fn(value))
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep these sequences only; storage shrinks to the most tokens a kept row holds (+1 in drop mode)."""
+        if not self.is_initialized:
+            return
+        self.batch_select_indices(rows)
+        self._refresh_bounds()
+        if self.settings.mode == "drop":
+            self._compact(self.kept_bound + self.spare if self.pos.shape[0] else 0)
+
+    def append_rows(self, other: Rows) -> None:
+        """Add the sequences of another layer (same model and policy) after this layer's rows."""
+        if not other.is_initialized or other.prompt_len is None:
+            raise ValueError("only sequences whose prompt has been through the cache can join a batch")
+        if not self.is_initialized:
+            copied = ("dtype", "device", "policy", "used", "seen", "kept_bound", "decoded", "kv_heads", "spare")
+            for name in (*copied, *SLOT_FIELDS, *ROW_FIELDS):
+                setattr(self, name, getattr(other, name))
+            self.is_initialized = True
+            self._refresh_bounds()
+            return
+        if self.keys.shape[1:2] + self.keys.shape[3:] != other.keys.shape[1:2] + other.keys.shape[3:]:
+            raise ValueError(
+                f"cannot join sequences of another model: KV heads x head size {tuple(other.keys.shape[1::2])} "
+                f"vs {tuple(self.keys.shape[1::2])}"
+            )
+        width = max(self.keys.shape[2], other.keys.shape[2])
+        for name in SLOT_FIELDS:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine is None:
+                continue
+            fill = -1 if name == "pos" else 0
+            mine, theirs = grow(mine, width - mine.shape[2], fill), grow(theirs, width - theirs.shape[2], fill)
+            setattr(self, name, torch.cat([mine, theirs]))
+        for name in ROW_FIELDS:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if (mine is None) != (theirs is None):
+                raise ValueError("cannot join a bounded sequence with an unbounded one")
+            if mine is not None:
+                setattr(self, name, torch.cat([mine, theirs]))
+        self.used = width
+        self.seen = max(self.seen, other.seen)
+        self.kept_bound = max(self.kept_bound, other.kept_bound)
+        self._refresh_bounds()
+
+    def _refresh_bounds(self) -> None:
+        """Python-side bounds from the per-row tensors (after rows came or went)."""
+        empty = self.pos.shape[0] == 0
+        if self.capacity is not None and not empty:
+            self.max_capacity, self.min_capacity = int(self.capacity.max()), int(self.capacity.min())
+        self.kept_bound = 0 if empty else int(self.occupied().max())
+
+
+def grow(t: torch.Tensor, extra: int, fill: float) -> torch.Tensor:
+    """`t` [B, H, S, ...] with `extra` more slots at the end, filled with `fill`."""
+    pad = t.new_full((*t.shape[:2], extra, *t.shape[3:]), fill)
+    return torch.cat([t, pad], dim=2)

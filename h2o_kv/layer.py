@@ -39,7 +39,6 @@ class KVLayer(Rows, CacheLayerMixin):
     # the empty slots the last decode step left, [B, H, spare], with the `pos` tensor they index: the next
     # step writes there (any batch change, growth or compaction makes a new `pos`, and they are not used)
     vacant: tuple[torch.Tensor, torch.Tensor] | None = None
-    memo: tuple[torch.Tensor | None, dict] = (None, {})  # per-prompt values (`per_prompt`) and their `prompt_len`
 
     def __init__(self, settings: Settings, layer_idx: int) -> None:
         super().__init__()
@@ -48,6 +47,7 @@ class KVLayer(Rows, CacheLayerMixin):
         self.policy = settings.policy  # this layer's own (LayerBudgets), fixed with the budget on the first call
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.seen = 0  # columns seen, padding included: what transformers counts positions from
+        self.memo: tuple[torch.Tensor | None, dict] = (None, {})  # per-prompt values (`per_prompt`), their prompt_len
 
     # -- transformers' layer interface ---------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -211,12 +211,7 @@ class KVLayer(Rows, CacheLayerMixin):
         """
         batch, heads, n, _ = keys.shape
         if self.settings.mode == "drop" and n == 1:
-            vacant, self.vacant = self.vacant, None
-            if vacant is not None and vacant[1] is self.pos:  # the slot the last step's eviction left
-                slots = vacant[0]
-            else:
-                self._reserve(self.kept_bound + self.spare)
-                slots = self.pos.argmin(-1, keepdim=True)  # the first empty slot (pos -1); _reserve left one
+            slots = self._decode_slots()
             first, self.used = None, self.keys.shape[2]  # the free slot may be anywhere
         else:
             first = self.used
@@ -226,6 +221,18 @@ class KVLayer(Rows, CacheLayerMixin):
         self.kept_bound += n
         self._write(slots, keys, values, positions[:, None, :].expand(batch, heads, n))
         return first
+
+    def _decode_slots(self) -> torch.Tensor:
+        """Where a decode step's new token goes, [B, H, spare]: the slots the last step's eviction left
+        (`vacant`), else the first empty ones once there is room."""
+        vacant, self.vacant = self.vacant, None
+        if vacant is not None and vacant[1] is self.pos:
+            return vacant[0]
+        self._reserve(self.kept_bound + self.spare)
+        return self._first_empty()
+
+    def _first_empty(self) -> torch.Tensor:
+        return self.pos.argmin(-1, keepdim=True)  # the first empty slot of each row (pos -1); _reserve left one
 
     def _write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         """Store tokens [B, H, n, D] at their `slots` [B, H, n] with their `positions` [B, H, n] and a zero score."""

@@ -64,12 +64,7 @@ class PooledKVLayer(KVLayer):
         tags = self._tags(batch, n)
         first = None
         if self.settings.mode == "drop" and n == 1:  # decoding: the slots the last step freed, or the first free ones
-            vacant, self.vacant = self.vacant, None
-            if vacant is not None and vacant[1] is self.pos:
-                slots = vacant[0]
-            else:
-                self._reserve(self.kept_bound + heads)
-                slots = first_free(self.pos, heads)
+            slots = self._decode_slots()
             self.used = self.keys.shape[2]
         else:
             first = self.used
@@ -80,6 +75,9 @@ class PooledKVLayer(KVLayer):
         self.head.scatter_(2, slots, tags)
         self._write(slots, keys, values, positions.repeat_interleave(heads, dim=1)[:, None])
         return first
+
+    def _first_empty(self) -> torch.Tensor:
+        return first_free(self.pos, self.spare)  # a token's `heads` slots
 
     def _tags(self, batch: int, n: int) -> torch.Tensor:
         """Each new slot's head, [B, 1, n x heads] token-major (a decode step's is kept)."""

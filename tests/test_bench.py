@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -14,6 +15,18 @@ from h2o_kv import bench
 from conftest import VOCAB, make_model, random_ids
 
 PROMPT_LENS, BATCHES, GEN, BUDGET = [40, 80], [1, 2], 4, 0.2
+TEXT = "To be, or not to be, that is the question. " * 20
+
+
+@contextmanager
+def one_thread():
+    """Tiny ops on a busy CPU: one thread is steadier. torch's thread count is restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 class CharTokenizer:
@@ -25,11 +38,8 @@ class CharTokenizer:
 
 @pytest.fixture(scope="module")
 def run() -> tuple[torch.nn.Module, list[dict]]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops on a busy CPU: one thread is steadier
-    try:
+    with one_thread():
         model = make_model("llama")
-        text = "To be, or not to be, that is the question. " * 20
         rows = bench.run_bench(
             model,
             CharTokenizer(),
@@ -41,10 +51,8 @@ def run() -> tuple[torch.nn.Module, list[dict]]:
             warmup=0,
             threads=[1],
             progress=False,
-            text=text,
+            text=TEXT,
         )
-    finally:
-        torch.set_num_threads(threads)
     return model, rows
 
 
@@ -292,14 +300,10 @@ def test_interleaved_steps_equal_separate_runs():
 
 def test_interleaved_bench_has_the_same_accounting(run):
     model, rows = run
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         together = bench.run_bench(model, CharTokenizer(), budget=BUDGET, prompt_lens=[max(PROMPT_LENS)], gen_len=GEN,
                                    batch_sizes=[max(BATCHES)], threads=[1], progress=False, interleave=True,
-                                   text="To be, or not to be, that is the question. " * 20)  # fmt: skip
-    finally:
-        torch.set_num_threads(threads)
+                                   text=TEXT)  # fmt: skip
     size = (max(PROMPT_LENS), max(BATCHES))
     alone = {(r["section"], r["policy"]): r for r in rows if (r["prompt_len"], r["batch"]) == size}
     same_alone = {r["policy"]: r for r in rows if r["section"] == "same_memory"}
@@ -317,14 +321,10 @@ def test_interleaved_bench_has_the_same_accounting(run):
 
 
 def test_same_memory_runs_int8_storage_at_a_bigger_batch():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         rows = bench.run_bench(make_model("llama"), CharTokenizer(), policies=["static-sdpa", "h2o", "h2o-int8"],
                                budget=BUDGET, prompt_lens=[80], gen_len=GEN, batch_sizes=[2], threads=[1],
-                               progress=False, text="To be, or not to be, that is the question. " * 20)  # fmt: skip
-    finally:
-        torch.set_num_threads(threads)
+                               progress=False, text=TEXT)  # fmt: skip
     same = {r["policy"]: r for r in rows if r["section"] == "same_memory"}
     assert set(same) == {"static-sdpa", "h2o", "h2o-int8"}
     assert same["static-sdpa"]["batch"] < same["h2o"]["batch"] < same["h2o-int8"]["batch"]

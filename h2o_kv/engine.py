@@ -14,17 +14,16 @@ call); a finished or cancelled request leaves it and its rows are freed.
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections import deque
 
 import torch
 
 from . import policies
+from .admission import SlotCount
 from .attention import enable
 from .cache import KVCache
 from .generation import Sampling, decode_step, forward, sample
-from .layer import GROWTH
 from .policies import Policy
 from .quant import check_kv_dtype
 from .request import Completion, Event, Request
@@ -63,8 +62,7 @@ class Engine:
         self.kv_memory, self.max_batch, self.prefill_chunk = kv_memory, max_batch, prefill_chunk
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.context_limit = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
-        self._config, self._layout = config, _kv_layout(config, model.dtype, kv_dtype)
-        self._layer_policies = functools.lru_cache(maxsize=256)(self._own_policies)  # admission runs every step
+        self._count = SlotCount(config, model.dtype, kv_dtype, mode, prefill_chunk)
         self.eos = _eos_ids(model, tokenizer)
         self._lock = threading.Condition()  # guards the waiting queue (submit never waits for a step)
         self._state = threading.Lock()  # held by a step while it changes the batches; stats() reads under it
@@ -145,7 +143,7 @@ class Engine:
 
     def kv_bytes_for(self, prompt_len: int, max_tokens: int, policy: Policy | None = None) -> int:
         """Most KV bytes a request can hold while decoding (its admission size)."""
-        return self._slots(policy or self.resolve_policy(), prompt_len, max_tokens)[0] * self._layout
+        return self._count.bytes(policy or self.resolve_policy(), prompt_len, max_tokens)
 
     def stats(self) -> dict:
         with self._state, self._lock:
@@ -331,46 +329,18 @@ class Engine:
                 self._leave(policy, [i for i, r in enumerate(rows) if not r.cancelled])
 
     # -- memory accounting ---------------------------------------------------------------------------------
-    def _slots(self, policy: Policy, prompt_len: int, max_tokens: int) -> tuple[int, int]:
-        """(slots per layer and KV head while decoding, most slots while its prompt goes in).
-
-        With per-layer budgets (`LayerBudgets`) it is the mean over layers, rounded up, of each layer's
-        own count, so that slots x `_layout` covers every layer's slots, not the mean budget's.
-        """
-        own = self._layer_policies(policy)
-        if own is None:
-            return self._layer_slots(policy, prompt_len, max_tokens)
-        counts = [self._layer_slots(p, prompt_len, max_tokens) for p in own]
-        return -(-sum(c[0] for c in counts) // len(own)), -(-sum(c[1] for c in counts) // len(own))
-
-    def _own_policies(self, policy: Policy) -> tuple[Policy, ...] | None:
-        """Each layer's own policy, or None when every layer keeps `policy` itself."""
-        own = tuple(policy.for_layer(i, self._config) for i in range(int(self._config.num_hidden_layers)))
-        return None if all(p is policy for p in own) else own
-
-    def _layer_slots(self, policy: Policy, prompt_len: int, max_tokens: int) -> tuple[int, int]:
-        capacity = policy.capacity(torch.tensor([prompt_len]))
-        if self.mode == "mask":  # nothing is freed: every token keeps its slot
-            return prompt_len + max_tokens, prompt_len
-        if capacity is None:
-            final = -(-(prompt_len + max_tokens) // GROWTH) * GROWTH
-            return final, -(-prompt_len // GROWTH) * GROWTH
-        kept = int(capacity)
-        decode = min(kept, prompt_len + max_tokens) + 1
-        return decode, min(prompt_len, kept + (self.prefill_chunk or prompt_len)) + 1
-
     def _projected(self, extra: Request) -> int:
         """KV bytes if `extra` were admitted: every batch at its widest row (prompts still going in
         counted in their batch), plus the largest prompt in flight (one prompt is prefilled at a time)."""
         groups: dict[Policy, list[int]] = {}
         prefill = 0
         for request in [*self._all_running(), extra]:
-            decode, prompt = self._slots(request.policy, request.prompt_tokens, request.max_tokens)
+            decode, prompt = self._count.slots(request.policy, request.prompt_tokens, request.max_tokens)
             groups.setdefault(request.policy, []).append(decode)
             if request is extra or any(request is r for r, _ in self._prefill):
                 prefill = max(prefill, prompt)
         slots = sum(len(widths) * max(widths) for widths in groups.values()) + prefill
-        return slots * self._layout
+        return slots * self._count.layout
 
     def _reserved(self) -> int:
         return sum(r.kv_bytes for r in self._all_running())
@@ -396,18 +366,6 @@ def _record(request: Request, cache: KVCache, row: int) -> None:
         "seen_tokens": int(layer.next_pos[row].max()),
         "kv_bytes": cache.nbytes() // cache.batch_size,
     }
-
-
-def _kv_layout(config, dtype: torch.dtype, kv_dtype: str | None = None) -> int:
-    """Bytes of one slot summed over layers and KV heads: key + value (+ their int8 scales) + position +
-    score (+ last)."""
-    layers = int(config.num_hidden_layers)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-    if kv_dtype == "int8":
-        return layers * kv_heads * (2 * head_dim + 2 * 4 + 8 + 4 + 4)
-    element = torch.empty(0, dtype=dtype).element_size()
-    return layers * kv_heads * (2 * head_dim * element + 8 + 4 + 4)
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

@@ -58,6 +58,10 @@ def attend(
                           slot_head=slot_head, query_head=query_head, work=work)  # fmt: skip
     if key_scale is not None:  # a prompt or chunk: one dequantized copy, shared by the query blocks
         keys, values = dequantize(keys, key_scale, q.dtype), dequantize(values, value_scale, q.dtype)
+    fused = new_from is not None and window is None and softcap is None and slot_head is None and not has_padding
+    if fused and n > 1 and (not want_scores or 0 < score_from < n) and not bool((pos[..., :new_from] < 0).any()):
+        return attend_prompt(q, keys, values, pos, qpos, scaling=scaling, new_from=new_from,
+                             want_scores=want_scores, want_last=want_last, score_from=score_from)  # fmt: skip
     kv_heads, slots = keys.shape[1], keys.shape[2]
     group = q_heads // kv_heads
     q = (q * scaling).view(batch, kv_heads, group, n, dim)
@@ -115,6 +119,46 @@ def attend(
             last = torch.zeros_like(pos, dtype=torch.float32)
             last[..., :width] = probs_last.mean(dim=2) * (1 if slot_head is None else query_head.shape[0])
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+    return out.transpose(1, 2).contiguous(), scores, last
+
+
+def attend_prompt(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    pos: torch.Tensor,
+    qpos: torch.Tensor,
+    *,
+    scaling: float,
+    new_from: int,
+    want_scores: bool,
+    want_last: bool,
+    score_from: int,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`attend` for in-order new tokens after old slots without holes, when no query before `score_from`
+    needs its attention probabilities (SnapKV's observation window, TOVA's last query, or no scores).
+
+    The output is torch's fused causal attention (SDPA), which never materialises the probabilities;
+    the queries that score (from `score_from` on, or the last one for `want_last`) go through `attend`
+    again for their scores, a small call. Query i sees slots 0 .. new_from + i, as in `attend`.
+    """
+    n, width = q.shape[2], new_from + q.shape[2]
+    keys, values = keys[:, :, :width], values[:, :, :width]
+    if new_from == 0:
+        out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scaling,
+                                                               enable_gqa=True)  # fmt: skip
+    else:  # old slots first: query i sees every one of them and the new tokens up to itself
+        seen = torch.arange(width, device=q.device) <= torch.arange(new_from, width, device=q.device)[:, None]
+        out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=seen, scale=scaling,
+                                                               enable_gqa=True)  # fmt: skip
+    scores = last = None
+    if want_scores or want_last:
+        start = score_from if want_scores else n - 1
+        _, scores, last = attend(q[:, :, start:], keys, values, pos[..., :width], qpos[:, start:], scaling=scaling,
+                                 new_from=new_from + start, want_scores=want_scores, want_last=want_last)  # fmt: skip
+        if pos.shape[-1] > width:  # slots after the new tokens (storage reserved ahead) got no attention
+            scores = None if scores is None else torch.nn.functional.pad(scores, (0, pos.shape[-1] - width))
+            last = None if last is None else torch.nn.functional.pad(last, (0, pos.shape[-1] - width))
     return out.transpose(1, 2).contiguous(), scores, last
 
 

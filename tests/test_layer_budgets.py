@@ -156,7 +156,7 @@ def test_engine_admission_counts_each_layers_own_slots(schedule, budget):
             tokens = forward(model, cache, tokens).argmax(-1, keepdim=True)
             peak = max(peak, cache.nbytes())
     layers = config.num_hidden_layers
-    per_layer_slot = engine._layout // layers
+    per_layer_slot = engine._count.layout // layers
     exact = sum(
         min(int(policy.for_layer(i, config).capacity(torch.tensor([prompt]))), prompt + new) + 1 for i in range(layers)
     )

@@ -1,0 +1,108 @@
+"""The attention kernel's fast paths against its blocked path (which the literal reference tests cover)."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+from test_eviction import POLICIES, kept_positions, random_qkv, run_layer
+
+import h2o_kv
+from h2o_kv import kernel
+
+from reference import reference_layer
+
+
+def slots(batch, kv_heads, new_from, n, extra, dim, dtype, seed=0):
+    """Storage with `new_from` old tokens, `n` new ones in order after them and `extra` empty slots."""
+    gen = torch.Generator().manual_seed(seed)
+    total = new_from + n + extra
+    keys = torch.randn(batch, kv_heads, total, dim, generator=gen).to(dtype)
+    values = torch.randn(batch, kv_heads, total, dim, generator=gen).to(dtype)
+    pos = torch.full((batch, kv_heads, total), -1)
+    pos[..., : new_from + n] = torch.arange(new_from + n)
+    return keys, values, pos
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("new_from,extra", [(0, 0), (0, 5), (12, 3)], ids=["prompt", "reserved", "after-old"])
+@pytest.mark.parametrize(
+    "want_scores,want_last,score_from",
+    [(True, False, 8), (False, True, 0), (True, True, 29), (False, False, 0)],
+    ids=["window", "last", "window+last", "output"],
+)
+def test_prompt_path_equals_the_blocked_path(dtype, new_from, extra, want_scores, want_last, score_from):
+    """SDPA for the output and `attend` on the scoring queries only give the blocked path's results."""
+    n, batch, q_heads, kv_heads, dim = 30, 2, 6, 2, 16
+    keys, values, pos = slots(batch, kv_heads, new_from, n, extra, dim, dtype)
+    q = torch.randn(batch, q_heads, n, dim, generator=torch.Generator().manual_seed(1)).to(dtype)
+    qpos = torch.arange(new_from, new_from + n).expand(batch, n)
+    options = dict(scaling=0.25, want_scores=want_scores, want_last=want_last, score_from=score_from)
+    with mock.patch.object(kernel, "attend_prompt", wraps=kernel.attend_prompt) as prompt_path:
+        fast = kernel.attend(q, keys, values, pos, qpos, new_from=new_from, **options)
+    assert prompt_path.call_count == 1
+    blocked = kernel.attend(q, keys, values, pos, qpos, new_from=None, **options)  # the general masked path
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast[0].float(), blocked[0].float(), **tol)
+    for got, want in zip(fast[1:], blocked[1:]):
+        assert (got is None) == (want is None)
+        if got is not None:  # scores and last attention are float32 either way
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(score_from=0, want_scores=True),  # H2O: every query scores, no shortcut
+        dict(score_from=30, want_scores=True),  # no query scores
+        dict(window=8),  # a sliding layer
+        dict(softcap=30.0),
+        dict(holes=True),  # an old slot is empty: the general path masks it
+    ],
+    ids=["all-score", "none-score", "window", "softcap", "holes"],
+)
+def test_prompt_path_is_not_taken_where_it_does_not_apply(case):
+    keys, values, pos = slots(1, 2, 6, 30, 0, 16, torch.float32)
+    if case.pop("holes", False):
+        pos[0, 0, 2] = -1
+    q = torch.randn(1, 4, 30, 16)
+    qpos = torch.arange(6, 36).view(1, 30)
+    with mock.patch.object(kernel, "attend_prompt", wraps=kernel.attend_prompt) as prompt_path:
+        kernel.attend(q, keys, values, pos, qpos, scaling=0.25, new_from=6, **case)
+    assert prompt_path.call_count == 0
+
+
+@pytest.mark.parametrize("name", ["local", "streaming", "tova"])
+def test_policies_without_prompt_scores_take_the_prompt_path_and_match_the_reference(name):
+    """A prompt in one call (then decoding): the policies that need no prompt-wide attention use SDPA,
+    and the layer still matches the literal reference."""
+    policy, capacity, params = POLICIES[name]
+    q, k, v = random_qkv(seed=29)
+    with mock.patch.object(kernel, "attend_prompt", wraps=kernel.attend_prompt) as prompt_path:
+        out, layer = run_layer(policy, q, k, v, [10, 1, 1, 1, 1, 1, 1])
+    assert prompt_path.call_count == 1
+    ref_out, ref_kept = reference_layer(q[0], k[0], v[0], [10, 1, 1, 1, 1, 1, 1], name, capacity, params)
+    torch.testing.assert_close(out[0].double(), ref_out, atol=1e-5, rtol=1e-5)
+
+
+def blocked(q, keys, values, pos, qpos, *, scaling, new_from, want_scores, want_last, score_from):
+    """`attend_prompt`'s job done by `attend`'s general path (new_from=None: every query masked by position)."""
+    return kernel.attend(q, keys, values, pos, qpos, scaling=scaling, want_scores=want_scores,
+                         want_last=want_last, score_from=score_from)  # fmt: skip
+
+
+@pytest.mark.parametrize("chunks", [[20, 1, 1, 1, 1], [6, 6, 8, 1, 1]], ids=["one-call", "chunks"])
+def test_snapkv_keeps_the_same_tokens_through_the_prompt_path(chunks):
+    """SnapKV ranks a prompt (or chunk) by its last `window` queries, so the rest needs no probabilities:
+    the prompt path keeps the same tokens and gives the same outputs as the blocked path."""
+    q, k, v = random_qkv(total=24, seed=31)
+    policy = h2o_kv.SnapKV(budget=8, window=4)
+    with mock.patch.object(kernel, "attend_prompt", wraps=kernel.attend_prompt) as prompt_path:
+        fast, fast_layer = run_layer(policy, q, k, v, chunks)
+    assert prompt_path.call_count >= 1
+    with mock.patch.object(kernel, "attend_prompt", side_effect=blocked):
+        slow, slow_layer = run_layer(policy, q, k, v, chunks)
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+    assert kept_positions(fast_layer) == kept_positions(slow_layer)
+    assert int(fast_layer.kept().max()) == 8

@@ -58,9 +58,10 @@ def attend(
                           slot_head=slot_head, query_head=query_head, work=work)  # fmt: skip
     if key_scale is not None:  # a prompt or chunk: one dequantized copy, shared by the query blocks
         keys, values = dequantize(keys, key_scale, q.dtype), dequantize(values, value_scale, q.dtype)
-    fused = new_from is not None and window is None and softcap is None and slot_head is None and not has_padding
-    if fused and n > 1 and (not want_scores or 0 < score_from < n) and not bool((pos[..., :new_from] < 0).any()):
-        return attend_prompt(q, keys, values, pos, qpos, scaling=scaling, new_from=new_from,
+    fused = new_from is not None and softcap is None and slot_head is None and not has_padding
+    fused = fused and (window is None or new_from == 0) and n > 1 and (not want_scores or 0 < score_from < n)
+    if fused and not bool((pos[..., :new_from] < 0).any()):
+        return attend_prompt(q, keys, values, pos, qpos, scaling=scaling, new_from=new_from, window=window,
                              want_scores=want_scores, want_last=want_last, score_from=score_from)  # fmt: skip
     kv_heads, slots = keys.shape[1], keys.shape[2]
     group = q_heads // kv_heads
@@ -131,6 +132,7 @@ def attend_prompt(
     *,
     scaling: float,
     new_from: int,
+    window: int | None,
     want_scores: bool,
     want_last: bool,
     score_from: int,
@@ -140,22 +142,24 @@ def attend_prompt(
 
     The output is torch's fused causal attention (SDPA), which never materialises the probabilities;
     the queries that score (from `score_from` on, or the last one for `want_last`) go through `attend`
-    again for their scores, a small call. Query i sees slots 0 .. new_from + i, as in `attend`.
+    again for their scores, a small call. Query i sees slots 0 .. new_from + i, as in `attend`; on a
+    sliding layer (a whole prompt, new_from = 0, where slot j holds position j) only the last `window`.
     """
     n, width = q.shape[2], new_from + q.shape[2]
     keys, values = keys[:, :, :width], values[:, :, :width]
-    if new_from == 0:
-        out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scaling,
-                                                               enable_gqa=True)  # fmt: skip
-    else:  # old slots first: query i sees every one of them and the new tokens up to itself
-        seen = torch.arange(width, device=q.device) <= torch.arange(new_from, width, device=q.device)[:, None]
-        out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=seen, scale=scaling,
-                                                               enable_gqa=True)  # fmt: skip
+    rows, cols = torch.arange(new_from, width, device=q.device)[:, None], torch.arange(width, device=q.device)
+    if window is not None:  # a whole prompt on a sliding layer: query i sees slots i - window < j <= i
+        seen = (cols <= rows) & (cols > rows - window)
+    else:  # every old slot, and the new tokens up to itself (new_from = 0: SDPA's own causal mask)
+        seen = None if new_from == 0 else cols <= rows
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    out = sdpa(q, keys, values, attn_mask=seen, is_causal=seen is None, scale=scaling, enable_gqa=True)
     scores = last = None
     if want_scores or want_last:
         start = score_from if want_scores else n - 1
         _, scores, last = attend(q[:, :, start:], keys, values, pos[..., :width], qpos[:, start:], scaling=scaling,
-                                 new_from=new_from + start, want_scores=want_scores, want_last=want_last)  # fmt: skip
+                                 window=window, new_from=new_from + start, want_scores=want_scores,
+                                 want_last=want_last)  # fmt: skip
         if pos.shape[-1] > width:  # slots after the new tokens (storage reserved ahead) got no attention
             scores = None if scores is None else torch.nn.functional.pad(scores, (0, pos.shape[-1] - width))
             last = None if last is None else torch.nn.functional.pad(last, (0, pos.shape[-1] - width))

@@ -26,19 +26,23 @@ def slots(batch, kv_heads, new_from, n, extra, dim, dtype, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("new_from,extra", [(0, 0), (0, 5), (12, 3)], ids=["prompt", "reserved", "after-old"])
+@pytest.mark.parametrize(
+    "new_from,extra,window",
+    [(0, 0, None), (0, 5, None), (12, 3, None), (0, 5, 7)],
+    ids=["prompt", "reserved", "after-old", "sliding"],
+)
 @pytest.mark.parametrize(
     "want_scores,want_last,score_from",
     [(True, False, 8), (False, True, 0), (True, True, 29), (False, False, 0)],
     ids=["window", "last", "window+last", "output"],
 )
-def test_prompt_path_equals_the_blocked_path(dtype, new_from, extra, want_scores, want_last, score_from):
+def test_prompt_path_equals_the_blocked_path(dtype, new_from, extra, window, want_scores, want_last, score_from):
     """SDPA for the output and `attend` on the scoring queries only give the blocked path's results."""
     n, batch, q_heads, kv_heads, dim = 30, 2, 6, 2, 16
     keys, values, pos = slots(batch, kv_heads, new_from, n, extra, dim, dtype)
     q = torch.randn(batch, q_heads, n, dim, generator=torch.Generator().manual_seed(1)).to(dtype)
     qpos = torch.arange(new_from, new_from + n).expand(batch, n)
-    options = dict(scaling=0.25, want_scores=want_scores, want_last=want_last, score_from=score_from)
+    options = dict(scaling=0.25, window=window, want_scores=want_scores, want_last=want_last, score_from=score_from)
     with mock.patch.object(kernel, "attend_prompt", wraps=kernel.attend_prompt) as prompt_path:
         fast = kernel.attend(q, keys, values, pos, qpos, new_from=new_from, **options)
     assert prompt_path.call_count == 1
@@ -56,7 +60,7 @@ def test_prompt_path_equals_the_blocked_path(dtype, new_from, extra, want_scores
     [
         dict(score_from=0, want_scores=True),  # H2O: every query scores, no shortcut
         dict(score_from=30, want_scores=True),  # no query scores
-        dict(window=8),  # a sliding layer
+        dict(window=8),  # a sliding layer after old slots (whose slots need not hold their positions)
         dict(softcap=30.0),
         dict(holes=True),  # an old slot is empty: the general path masks it
     ],
@@ -86,9 +90,9 @@ def test_policies_without_prompt_scores_take_the_prompt_path_and_match_the_refer
     torch.testing.assert_close(out[0].double(), ref_out, atol=1e-5, rtol=1e-5)
 
 
-def blocked(q, keys, values, pos, qpos, *, scaling, new_from, want_scores, want_last, score_from):
+def blocked(q, keys, values, pos, qpos, *, scaling, new_from, window, want_scores, want_last, score_from):
     """`attend_prompt`'s job done by `attend`'s general path (new_from=None: every query masked by position)."""
-    return kernel.attend(q, keys, values, pos, qpos, scaling=scaling, want_scores=want_scores,
+    return kernel.attend(q, keys, values, pos, qpos, scaling=scaling, window=window, want_scores=want_scores,
                          want_last=want_last, score_from=score_from)  # fmt: skip
 
 

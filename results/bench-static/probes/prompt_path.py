@@ -24,8 +24,8 @@ model, tok = load_model("smollm2-135m")
 ids = prompt_ids(tok(load_text(), add_special_tokens=False)["input_ids"], L, B)
 
 
-def blocked(q, keys, values, pos, qpos, *, scaling, new_from, want_scores, want_last, score_from):
-    return kernel.attend(q, keys, values, pos, qpos, scaling=scaling, want_scores=want_scores,
+def blocked(q, keys, values, pos, qpos, *, scaling, new_from, window, want_scores, want_last, score_from):
+    return kernel.attend(q, keys, values, pos, qpos, scaling=scaling, window=window, want_scores=want_scores,
                          want_last=want_last, score_from=score_from)  # fmt: skip
 
 

@@ -11,6 +11,14 @@ import torch
 from .quant import dequantize
 
 QUERY_BLOCK_ELEMENTS = 1 << 21  # a block's [heads x queries x slots] logits: 8 MiB in float32, cache-sized
+EMULATED = (torch.bfloat16, torch.float16)  # on a CPU without native support their products are 5-20x slower
+
+
+def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype the kernel's products run in: float32 on a CPU for bfloat16/float16 storage (a prompt's
+    attention at 1024 tokens: 0.12 s against 2.05 s on an AVX2 CPU, `results/bench-static/probes/bf16_attend.txt`),
+    the storage's own dtype elsewhere."""
+    return torch.float32 if device.type == "cpu" and dtype in EMULATED else dtype
 
 
 def attend(
@@ -46,11 +54,20 @@ def attend(
     observation window), and the attention from the last query averaged over
     the group's heads [B, H, S]. Queries go in blocks so no [n x S] matrix is materialised.
     int8 keys/values come with their per-slot scales `key_scale`/`value_scale` [B, H, S] (quant.py);
-    a decode step widens them into `work` when given (`widen`).
+    a decode step widens them into `work` when given (`widen`). bfloat16/float16 on a CPU computes in
+    float32 (`compute_dtype`) and returns the output in the query's dtype.
     A head-pooled layer (one storage row shared by the KV heads, pooled.py) gives each slot's KV head
     `slot_head` [B, 1, S] and each query head's KV head `query_head` [H, G] (h for row h): a query sees only its own
     head's slots, so the scores summed over the "group" (every query head) count the slot's own group.
     """
+    dtype = q.dtype
+    if compute_dtype(dtype, q.device) != dtype:  # bfloat16 on a CPU: float32 products, the output cast back
+        out, scores, last = attend(q.float(), keys, values, pos, qpos, scaling=scaling, window=window,
+                                   softcap=softcap, has_padding=has_padding, new_from=new_from,
+                                   want_scores=want_scores, want_last=want_last, score_from=score_from,
+                                   key_scale=key_scale, value_scale=value_scale, slot_head=slot_head,
+                                   query_head=query_head, work=work)  # fmt: skip
+        return out.to(dtype), scores, last
     batch, q_heads, n, dim = q.shape
     if n == 1 and window is None and not has_padding:
         return attend_one(q, keys, values, pos, scaling=scaling, softcap=softcap, want_scores=want_scores,
@@ -58,6 +75,8 @@ def attend(
                           slot_head=slot_head, query_head=query_head, work=work)  # fmt: skip
     if key_scale is not None:  # a prompt or chunk: one dequantized copy, shared by the query blocks
         keys, values = dequantize(keys, key_scale, q.dtype), dequantize(values, value_scale, q.dtype)
+    elif keys.dtype != q.dtype:  # bfloat16 storage, float32 products (compute_dtype)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
     fused = new_from is not None and softcap is None and slot_head is None and not has_padding
     fused = fused and (window is None or new_from == 0) and n > 1 and (not want_scores or 0 < score_from < n)
     if fused and not bool((pos[..., :new_from] < 0).any()):
@@ -210,9 +229,10 @@ def attend_one(
     one fused softmax in float32, the output, and the group's probabilities summed (scores) or
     averaged (last) per slot. The output [B, 1, Hq, D] needs no transpose since n = 1.
     int8 storage: the key scales multiply the logits, the value scales the probabilities; the int8
-    keys and values are widened into `work` when given (`widen`).
+    keys and values (and bfloat16 ones under float32 queries, `compute_dtype`) are widened into `work`
+    when given (`widen`).
     """
-    if key_scale is not None:
+    if key_scale is not None or keys.dtype != q.dtype:  # int8, or bfloat16 on a CPU (compute_dtype)
         keys, values = widen(keys, values, q.dtype, work)
     batch, q_heads, _, dim = q.shape
     kv_heads, slots = keys.shape[1], keys.shape[2]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .kernel import attend
+from .kernel import attend, compute_dtype
 from .policies import SlotState
 from .quant import quantize
 from .rows import SLOT_FIELDS, Rows, grow
@@ -356,9 +356,10 @@ class KVLayer(Rows, CacheLayerMixin):
 
     def _attend(self, query: torch.Tensor, positions: torch.Tensor, **options):
         """`kernel.attend` of a call's queries over this layer's slots (a head-pooled layer masks by head)."""
-        work = None  # int8 storage, decoding: widened into the cache's buffer, not a fresh tensor per layer
-        if self.key_scale is not None and query.shape[2] == 1:
-            work = self.settings.work(self.keys.numel() + self.values.numel(), query)
+        work = None  # decoding from int8 (or bfloat16 on a CPU): widened into the cache's buffer, not a fresh tensor
+        dtype = compute_dtype(query.dtype, query.device)
+        if query.shape[2] == 1 and (self.key_scale is not None or dtype != self.keys.dtype):
+            work = self.settings.work(self.keys.numel() + self.values.numel(), dtype, query.device)
         return attend(query, self.keys, self.values, self.pos, positions, key_scale=self.key_scale,
                       value_scale=self.value_scale, work=work, **options)  # fmt: skip
 

@@ -48,14 +48,14 @@ class Settings:
         capacity = self.policy.capacity(lengths)  # a fraction of the prompt gives different capacities
         self.sized_by_prompt = capacity is not None and bool(capacity[0] != capacity[1])
 
-    def work(self, numel: int, like: torch.Tensor) -> torch.Tensor:
-        """A flat buffer of at least `numel` elements of `like`'s dtype and device, shared by the cache's
-        layers (they run one after another) and kept between steps: where int8 storage is widened for a
-        decode step's products (kernel.widen). It is working memory, like the attention logits, so
+    def work(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A flat buffer of at least `numel` elements, shared by the cache's layers (they run one after
+        another) and kept between steps: where int8 storage (or bfloat16 on a CPU) is widened for a decode
+        step's float products (kernel.widen). It is working memory, like the attention logits, so
         `nbytes()` does not count it; it is one layer's keys and values in float."""
         work = self._work
-        if work is None or work.numel() < numel or work.dtype != like.dtype or work.device != like.device:
-            work = self._work = torch.empty(numel, dtype=like.dtype, device=like.device)
+        if work is None or work.numel() < numel or work.dtype != dtype or work.device != device:
+            work = self._work = torch.empty(numel, dtype=dtype, device=device)
         return work
 
 

@@ -110,3 +110,35 @@ def test_snapkv_keeps_the_same_tokens_through_the_prompt_path(chunks):
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
     assert kept_positions(fast_layer) == kept_positions(slow_layer)
     assert int(fast_layer.kept().max()) == 8
+
+
+@pytest.mark.parametrize("n", [1, 12], ids=["decode", "prompt"])
+@pytest.mark.parametrize("int8", [False, True], ids=["bf16-kv", "int8-kv"])
+def test_bfloat16_on_a_cpu_computes_in_float32(n, int8):
+    """bfloat16 products are emulated on most CPUs (5-20x slower): the kernel upcasts to float32, so a
+    bfloat16 call gives exactly the float32 call on the same (bfloat16) numbers, cast back."""
+    keys, values, pos = slots(2, 2, 12 - n, n, 3, 16, torch.bfloat16)
+    q = torch.randn(2, 4, n, 16, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    qpos = torch.arange(12 - n, 12).expand(2, n)
+    options = dict(scaling=0.25, want_scores=True, new_from=12 - n if n > 1 else None)
+    if int8:
+        (k8, v8), (ks, vs) = h2o_kv.quant.quantize(torch.stack((keys, values)))
+        options |= dict(key_scale=ks, value_scale=vs)
+        keys, values = k8, v8
+    work = torch.empty(keys.numel() + values.numel()) if n == 1 else None
+    out, scores, _ = kernel.attend(q, keys, values, pos, qpos, work=work, **options)
+    wide = (keys, values) if int8 else (keys.float(), values.float())
+    ref, ref_scores, _ = kernel.attend(q.float(), *wide, pos, qpos, **options)
+    assert out.dtype == torch.bfloat16 and kernel.compute_dtype(torch.bfloat16, q.device) == torch.float32
+    assert torch.equal(out, ref.to(torch.bfloat16)) and torch.equal(scores, ref_scores)
+
+
+def test_a_bfloat16_layer_decodes_through_one_float32_buffer():
+    q, k, v = (t.to(torch.bfloat16) for t in random_qkv(total=20, seed=37))
+    out, layer = run_layer(h2o_kv.H2O(heavy=3, recent=2), q, k, v, [12] + [1] * 8)
+    assert out.dtype == torch.bfloat16 and layer.keys.dtype == torch.bfloat16
+    assert layer.settings._work is not None and layer.settings._work.dtype == torch.float32
+    ref_out, ref_kept = reference_layer(q[0].float(), k[0].float(), v[0].float(), [12] + [1] * 8, "h2o", 5,
+                                        {"recent": 2})  # fmt: skip
+    assert kept_positions(layer) == ref_kept
+    torch.testing.assert_close(out[0].double(), ref_out, atol=2e-2, rtol=2e-2)

@@ -44,4 +44,4 @@ with mock.patch.object(kernel, "compute_dtype", lambda dtype, device: dtype):
 run("bfloat16, float32 products (now)", torch.bfloat16)
 q, k, v = (torch.randn(B, h, N, D).to(torch.bfloat16) for h in (HQ, H, H))
 sdpa = seconds(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), 2)
-print(f"{'SDPA bfloat16 prompt (no scores)':34s} prompt {sdpa:7.3f} s")
+print(f"{'SDPA bfloat16 prompt (no scores)':38s} prompt {sdpa:7.3f} s")

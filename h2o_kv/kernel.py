@@ -60,19 +60,14 @@ def attend(
     `slot_head` [B, 1, S] and each query head's KV head `query_head` [H, G] (h for row h): a query sees only its own
     head's slots, so the scores summed over the "group" (every query head) count the slot's own group.
     """
-    dtype = q.dtype
-    if compute_dtype(dtype, q.device) != dtype:  # bfloat16 on a CPU: float32 products, the output cast back
-        out, scores, last = attend(q.float(), keys, values, pos, qpos, scaling=scaling, window=window,
-                                   softcap=softcap, has_padding=has_padding, new_from=new_from,
-                                   want_scores=want_scores, want_last=want_last, score_from=score_from,
-                                   key_scale=key_scale, value_scale=value_scale, slot_head=slot_head,
-                                   query_head=query_head, work=work)  # fmt: skip
-        return out.to(dtype), scores, last
+    dtype = q.dtype  # bfloat16 on a CPU: float32 products (compute_dtype), the output cast back at each return
+    q = q.to(compute_dtype(dtype, q.device))
     batch, q_heads, n, dim = q.shape
     if n == 1 and window is None and not has_padding:
-        return attend_one(q, keys, values, pos, scaling=scaling, softcap=softcap, want_scores=want_scores,
-                          want_last=want_last, key_scale=key_scale, value_scale=value_scale,
-                          slot_head=slot_head, query_head=query_head, work=work)  # fmt: skip
+        out, scores, last = attend_one(q, keys, values, pos, scaling=scaling, softcap=softcap, want_scores=want_scores,
+                                       want_last=want_last, key_scale=key_scale, value_scale=value_scale,
+                                       slot_head=slot_head, query_head=query_head, work=work)  # fmt: skip
+        return out.to(dtype), scores, last
     if key_scale is not None:  # a prompt or chunk: one dequantized copy, shared by the query blocks
         keys, values = dequantize(keys, key_scale, q.dtype), dequantize(values, value_scale, q.dtype)
     elif keys.dtype != q.dtype:  # bfloat16 storage, float32 products (compute_dtype)
@@ -80,8 +75,10 @@ def attend(
     fused = new_from is not None and softcap is None and slot_head is None and not has_padding
     fused = fused and (window is None or new_from == 0) and n > 1 and (not want_scores or 0 < score_from < n)
     if fused and not bool((pos[..., :new_from] < 0).any()):
-        return attend_prompt(q, keys, values, pos, qpos, scaling=scaling, new_from=new_from, window=window,
-                             want_scores=want_scores, want_last=want_last, score_from=score_from)  # fmt: skip
+        out, scores, last = attend_prompt(q, keys, values, pos, qpos, scaling=scaling, new_from=new_from,
+                                          window=window, want_scores=want_scores, want_last=want_last,
+                                          score_from=score_from)  # fmt: skip
+        return out.to(dtype), scores, last
     kv_heads, slots = keys.shape[1], keys.shape[2]
     group = q_heads // kv_heads
     q = (q * scaling).view(batch, kv_heads, group, n, dim)
@@ -139,7 +136,7 @@ def attend(
             last = torch.zeros_like(pos, dtype=torch.float32)
             last[..., :width] = probs_last.mean(dim=2) * (1 if slot_head is None else query_head.shape[0])
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
-    return out.transpose(1, 2).contiguous(), scores, last
+    return out.transpose(1, 2).contiguous().to(dtype), scores, last
 
 
 def attend_prompt(

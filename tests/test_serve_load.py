@@ -200,6 +200,9 @@ def test_kv_memory_sizes_and_serve_flags() -> None:
         2**30,
         8,
     )
+    assert settings["kv_dtype"] is None and engine_settings(parse(["serve", "--kv-dtype", "int8"]))["kv_dtype"] == "int8"
+    with pytest.raises(ValueError, match="invalid choice"):  # the CLI prints it as one line, exit 2
+        parse(["serve", "--kv-dtype", "int4"])
     assert engine_settings(parse(["serve", "--policy", "full"]))["budget"] is None
     assert engine_settings(parse(["serve", "--budget", "64"]))["budget"] == 64
     for argv in (["--budget", "1.5"], ["--budget", "0"], ["--max-batch", "0"], ["--kv-memory", "lots"]):
@@ -236,3 +239,11 @@ def test_load_generator_at_a_tiny_size(model, tokenizer, tmp_path) -> None:
     paths = write_results(rows, ratios(rows), {"requests": 6}, tmp_path)
     assert json.loads(paths["json"].read_text())["results"][0]["config"] == "h2o:0.2"
     assert paths["csv"].read_text().count("\n") == 3 and paths["plot"].stat().st_size > 0
+
+
+def test_load_generator_refuses_kv_dtype_for_a_server_it_does_not_start(capsys) -> None:
+    from h2o_kv.serve import loadgen
+
+    assert loadgen.main(["--url", "http://127.0.0.1:9", "--kv-dtype", "int8", "--requests", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--kv-dtype" in err[0] and "--url" in err[0]

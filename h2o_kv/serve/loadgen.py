@@ -220,6 +220,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-memory", default="256MiB", help="the server's --kv-memory (default 256MiB)")
     parser.add_argument("--max-batch", type=int, default=64, help="the server's --max-batch (default 64)")
     parser.add_argument("--prefill-chunk", type=int, default=256, help="the server's --prefill-chunk")
+    parser.add_argument("--kv-dtype", default=None, choices=["int8"], help="the server's --kv-dtype (default: float)")
     parser.add_argument("--configs", default=DEFAULT_CONFIGS, help="policy[:budget] list (default h2o:0.2,full)")
     parser.add_argument("--requests", type=int, default=32, help="requests per config (default 32)")
     parser.add_argument("--concurrency", type=int, default=None, help="most requests in flight (default: all)")
@@ -253,6 +254,8 @@ def _run(args: argparse.Namespace, command: str) -> int:
     from .results import write_results
 
     configs = parse_configs(args.configs)
+    if args.url and args.kv_dtype:
+        raise ValueError("--kv-dtype sets the server loadgen starts; a server given with --url keeps its own")
     for flag, value in (("--requests", args.requests), ("--prompt-tokens", args.prompt_tokens),
                         ("--max-tokens", args.max_tokens), ("--concurrency", args.concurrency or 1)):  # fmt: skip
         if value < 1:
@@ -269,9 +272,10 @@ def _run(args: argparse.Namespace, command: str) -> int:
     if args.url:
         rows = run_benchmark(args.url.rstrip("/"), prompts, configs, prompt_tokens=args.prompt_tokens, **run)
     else:
-        with launch_server(args.model, **settings) as url:
+        extra = () if args.kv_dtype is None else ("--kv-dtype", args.kv_dtype)
+        with launch_server(args.model, **settings, extra=extra) as url:
             rows = run_benchmark(url, prompts, configs, prompt_tokens=args.prompt_tokens, **run)
-    server = {"url": args.url} if args.url else settings | {"model": args.model}  # another server: its own settings
+    server = {"url": args.url} if args.url else settings | {"model": args.model, "kv_dtype": args.kv_dtype}
     meta = dict(command=command, environment=environment(), server=server, requests=args.requests,
                 prompt_tokens=args.prompt_tokens, **run)  # fmt: skip
     paths = write_results(rows, ratios(rows), meta, args.out)

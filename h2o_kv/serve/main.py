@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 from .. import policies
+from ..quant import KV_DTYPES
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -52,6 +53,7 @@ def engine_settings(args: argparse.Namespace) -> dict:
         max_batch=args.max_batch,
         prefill_chunk=args.prefill_chunk,
         sinks=args.sinks,
+        kv_dtype=args.kv_dtype,
     )
 
 
@@ -97,6 +99,12 @@ def add_parser(sub) -> None:
     serve.add_argument("--sinks", type=int, default=4, help="StreamingLLM sink tokens")
     serve.add_argument(
         "--kv-memory", default="1GiB", help="bytes the KV cache may use, e.g. 512MiB, 2GB (default 1GiB)"
+    )
+    serve.add_argument(
+        "--kv-dtype",
+        default=None,
+        choices=list(KV_DTYPES),
+        help="store kept keys and values as int8 with per-token scales: about 3.5x the sequences in --kv-memory",
     )
     serve.add_argument("--max-batch", type=int, default=16, help="most sequences decoding together (default 16)")
     serve.add_argument(

@@ -200,7 +200,8 @@ def test_kv_memory_sizes_and_serve_flags() -> None:
         2**30,
         8,
     )
-    assert settings["kv_dtype"] is None and engine_settings(parse(["serve", "--kv-dtype", "int8"]))["kv_dtype"] == "int8"
+    assert settings["kv_dtype"] is None
+    assert engine_settings(parse(["serve", "--kv-dtype", "int8"]))["kv_dtype"] == "int8"
     with pytest.raises(ValueError, match="invalid choice"):  # the CLI prints it as one line, exit 2
         parse(["serve", "--kv-dtype", "int4"])
     assert engine_settings(parse(["serve", "--policy", "full"]))["budget"] is None

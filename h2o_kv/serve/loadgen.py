@@ -25,6 +25,7 @@ import httpx
 import numpy as np
 
 from .. import policies
+from ..quant import KV_DTYPES
 from ..report import command_line, environment
 from .launch import launch_server, served_model
 
@@ -220,7 +221,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-memory", default="256MiB", help="the server's --kv-memory (default 256MiB)")
     parser.add_argument("--max-batch", type=int, default=64, help="the server's --max-batch (default 64)")
     parser.add_argument("--prefill-chunk", type=int, default=256, help="the server's --prefill-chunk")
-    parser.add_argument("--kv-dtype", default=None, choices=["int8"], help="the server's --kv-dtype (default: float)")
+    parser.add_argument("--kv-dtype", default=None, choices=list(KV_DTYPES), help="the server's --kv-dtype")
     parser.add_argument("--configs", default=DEFAULT_CONFIGS, help="policy[:budget] list (default h2o:0.2,full)")
     parser.add_argument("--requests", type=int, default=32, help="requests per config (default 32)")
     parser.add_argument("--concurrency", type=int, default=None, help="most requests in flight (default: all)")

@@ -1,6 +1,6 @@
 """Where a serve engine step goes (probe): a 2048-token prompt in 256-token chunks, then a decode step at
 batch B, for H2O at 20 % (batch 24, what 512 MiB admits) and the full cache (batch 4). One torch thread."""
-import time, torch, statistics
+import time, torch
 import h2o_kv
 from h2o_kv import KVCache, H2O
 from h2o_kv.policies import Full

@@ -4,7 +4,6 @@ import time, torch
 import h2o_kv
 from h2o_kv import KVCache, H2O
 from h2o_kv.policies import Full
-from h2o_kv.generation import decode_step, prefill
 torch.set_num_threads(1)
 model, tok = h2o_kv.load_model("smollm2-135m")
 L, C = 2048, 256

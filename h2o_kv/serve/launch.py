@@ -27,14 +27,16 @@ def served_model(url: str) -> str:
 
 @contextmanager
 def launch_server(
-    model: str, *, kv_memory: str | None, max_batch: int, prefill_chunk: int, start_timeout: float = 600.0,
-    extra: tuple[str, ...] = (),
+    model: str, *, kv_memory: str | None, max_batch: int, prefill_chunk: int, kv_dtype: str | None = None,
+    start_timeout: float = 600.0, extra: tuple[str, ...] = (),
 ) -> Iterator[str]:  # fmt: skip
     """Run `h2o-kv serve` until the block ends (then SIGTERM); yields its base URL."""
     cmd = [sys.executable, "-m", "h2o_kv.cli", "serve", "--model", model, "--port", "0", "--log-level", "info",
            "--max-batch", str(max_batch), "--prefill-chunk", str(prefill_chunk), *extra]  # fmt: skip
     if kv_memory is not None:
         cmd += ["--kv-memory", str(kv_memory)]
+    if kv_dtype is not None:
+        cmd += ["--kv-dtype", kv_dtype]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=dict(os.environ))
     tail: collections.deque[str] = collections.deque(maxlen=40)
     port: list[int] = []

@@ -267,16 +267,16 @@ def _run(args: argparse.Namespace, command: str) -> int:
     prompts = make_prompts(ids, args.requests, args.prompt_tokens)
     if args.text_prompts:
         prompts = [tokenizer.decode(p) for p in prompts]
-    settings = dict(kv_memory=args.kv_memory, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk)
+    settings = dict(kv_memory=args.kv_memory, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
+                    kv_dtype=args.kv_dtype)  # fmt: skip
     run = dict(max_tokens=args.max_tokens, concurrency=args.concurrency or args.requests, timeout=args.timeout,
                model=args.served_model)  # fmt: skip
     if args.url:
         rows = run_benchmark(args.url.rstrip("/"), prompts, configs, prompt_tokens=args.prompt_tokens, **run)
     else:
-        extra = () if args.kv_dtype is None else ("--kv-dtype", args.kv_dtype)
-        with launch_server(args.model, **settings, extra=extra) as url:
+        with launch_server(args.model, **settings) as url:
             rows = run_benchmark(url, prompts, configs, prompt_tokens=args.prompt_tokens, **run)
-    server = {"url": args.url} if args.url else settings | {"model": args.model, "kv_dtype": args.kv_dtype}
+    server = {"url": args.url} if args.url else settings | {"model": args.model}  # another server: its own settings
     meta = dict(command=command, environment=environment(), server=server, requests=args.requests,
                 prompt_tokens=args.prompt_tokens, **run)  # fmt: skip
     paths = write_results(rows, ratios(rows), meta, args.out)

@@ -309,6 +309,7 @@ def test_cli_registers_eval_subcommand() -> None:
     assert args.func is cli.main and args.tasks == "perplexity" and args.mode == "mask"
     assert args.budgets == [64, 128]
     assert parser.parse_args(["eval"]).budgets == [0.05, 0.1, 0.2, 0.5]
+    assert parser.parse_args(["eval", "--resume"]).resume and not parser.parse_args(["eval"]).resume
     with pytest.raises(SystemExit):
         parser.parse_args(["eval", "--budgets", "0.1,1.5"])
 
@@ -321,3 +322,66 @@ def test_int8_policy_suffix_gives_int8_storage_with_close_logits(tiny_lm) -> Non
     assert caches["h2o-int8"].settings.kv_dtype == "int8" and caches["h2o"].settings.kv_dtype is None
     assert caches["h2o-int8"].nbytes() < 0.5 * caches["h2o"].nbytes()
     torch.testing.assert_close(logits["h2o-int8"], logits["h2o"], atol=0.05, rtol=0.05)
+
+
+# ------------------------------------------------------------------------------------ stored cells
+
+
+def _cell_run(tiny_lm, tokenizer, corpus: Path, out: Path, *, budgets, resume: bool, seed: int = 0) -> list[dict]:
+    small = Size(
+        PerplexitySize(windows=1, length=64, chunk=8),
+        RetrievalSize(("passkey",), (160,), samples=1, prefills=("stream",), chunk=16, answer_cap=4),
+        FidelitySize(prompts=1, passage_tokens=40, new_tokens=2),
+        SummarizeSize(records=1, new_tokens=2, document_tokens=40),
+    )
+    return run_eval(tiny_lm, tokenizer, tasks=["perplexity", "retrieval"], policies=["h2o"], budgets=budgets,
+                    corpus=str(corpus), out_dir=out, progress=False, size=small, seed=seed, resume=resume)  # fmt: skip
+
+
+def _ppl(rows: list[dict]) -> dict:
+    return {(r["policy"], r["budget"]): r["value"] for r in rows if r["task"] == "perplexity" and r["metric"] == "ppl"}
+
+
+def test_finished_cells_are_stored_and_reused_only_when_resuming(tiny_lm, tokenizer, corpus: Path, tmp_path) -> None:
+    out = tmp_path / "study"
+    first = _cell_run(tiny_lm, tokenizer, corpus, out, budgets=[0.25], resume=False)
+    stored = sorted((out / "cells").glob("*.json"))
+    assert len(stored) == 4  # perplexity: full, h2o; retrieval (one context, streamed): full, h2o
+    assert json.loads((out / "results.json").read_text())["meta"]["cells"] == {"ran": 4, "reused": 0}
+    # Mark the stored H2O perplexity cell: a resumed run must return the mark, a fresh run must not.
+    for path in stored:
+        cell = json.loads(path.read_text())
+        if '"task": "perplexity"' in cell["key"] and '"policy": "h2o"' in cell["key"]:
+            cell["rows"][0]["ppl"] = 12345.0
+            path.write_text(json.dumps(cell))
+    resumed = _cell_run(tiny_lm, tokenizer, corpus, out, budgets=[0.25, 0.5], resume=True)
+    assert _ppl(resumed)[("h2o", 0.25)] == 12345.0 and _ppl(resumed)[("full", None)] == _ppl(first)[("full", None)]
+    assert _ppl(resumed)[("h2o", 0.5)] != 12345.0  # a new budget is a new cell: run, not taken from another
+    meta = json.loads((out / "results.json").read_text())["meta"]
+    assert meta["cells"] == {"ran": 2, "reused": 4}
+    assert "4 reused" in (out / "summary.md").read_text()
+    other_seed = _cell_run(tiny_lm, tokenizer, corpus, out, budgets=[0.25], resume=True, seed=1)
+    assert _ppl(other_seed)[("h2o", 0.25)] != 12345.0  # another seed: another key
+    fresh = _cell_run(tiny_lm, tokenizer, corpus, out, budgets=[0.25], resume=False)
+    assert _ppl(fresh) == _ppl(first)  # without --resume every cell runs (and overwrites the stored one)
+
+
+def test_an_unreadable_stored_cell_is_one_clear_error(tiny_lm, tokenizer, corpus: Path, tmp_path) -> None:
+    out = tmp_path / "study"
+    _cell_run(tiny_lm, tokenizer, corpus, out, budgets=[0.25], resume=False)
+    broken = sorted((out / "cells").glob("*.json"))[0]
+    broken.write_text('{"key": ')
+    with pytest.raises(ValueError, match="unreadable.*delete it"):
+        _cell_run(tiny_lm, tokenizer, corpus, out, budgets=[0.25], resume=True)
+
+
+def test_cell_key_follows_the_source_code(tmp_path) -> None:
+    from h2o_kv.eval import cells as cells_mod
+
+    calls = []
+    store = cells_mod.Cells(tmp_path, {"code": "a"}, resume=True)
+    assert store.get({"x": 1}, lambda: calls.append(1) or [{"v": 1}]) == [{"v": 1}]
+    assert store.get({"x": 1}, lambda: calls.append(1) or [{"v": 2}]) == [{"v": 1}] and len(calls) == 1
+    changed = cells_mod.Cells(tmp_path, {"code": "b"}, resume=True)  # the same cell after a code change
+    assert changed.get({"x": 1}, lambda: calls.append(1) or [{"v": 3}]) == [{"v": 3}] and len(calls) == 2
+    assert len(cells_mod.source_digest()) == 16 and cells_mod.source_digest() == cells_mod.source_digest()

@@ -2,6 +2,7 @@
 
     h2o-kv eval                                   # small default: results/eval/ on the bundled model
     h2o-kv eval --size large                      # the fuller protocol (long; hours on a CPU)
+    h2o-kv eval --size large --resume             # after an interruption: reuse the finished cells
     h2o-kv eval --tasks perplexity --budgets 64,128,256 --corpus my_texts/
     h2o-kv eval --tasks summarize --data xsum.jsonl
 Also runnable as `python -m h2o_kv.eval.cli ...`.
@@ -61,7 +62,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--contexts", default=None, help="retrieval context lengths, e.g. 1024,2048 (default: the size's)")
     add("--prefills", default=None, help="retrieval prefill settings: oneshot,stream (default: the size's)")
     add("--windows", type=int, default=None, help="perplexity text windows (default: the size's)")
-    add("--out", default="results/eval", help="output directory (tables and plots)")
+    add("--out", default="results/eval", help="output directory (tables and plots; finished cells in OUT/cells)")
+    add(
+        "--resume",
+        action="store_true",
+        help="reuse the finished perplexity and retrieval cells in OUT/cells whose model, settings and h2o-kv "
+        "source match, and run only the rest (an interrupted study picks up where it stopped)",
+    )
     add("--seed", type=int, default=0)
     add("--threads", type=int, default=None, help="torch CPU threads")
     add("--no-progress", action="store_true", help="no progress bar")
@@ -111,6 +118,7 @@ def main(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         chunk=args.chunk,
         command=command_line(),
+        resume=args.resume,
     )
     print(f"{len(rows)} rows; tables and plots in {args.out}/ (summary: {args.out}/summary.md)")
     return 0

@@ -2,13 +2,16 @@
 
 Every task reduces to rows of (policy, budget) -> metrics, with Full run once as the reference.
 Rows are written long-form (tables.py) so a single table holds every task: `results.json` (with the
-run's settings and timings), `results.csv`, `summary.md` and one PNG per task (plots.py).
+run's settings and timings), `results.csv`, `summary.md` and one PNG per task (plots.py). Perplexity and
+retrieval, the long tasks, run cell by cell (cells.py): each finished cell is stored under `<out>/cells/`,
+and `resume=True` reuses the stored ones, so an interrupted study picks up where it stopped.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,7 @@ from h2o_kv.cache import Mode
 from h2o_kv.policies import Budget
 from h2o_kv.report import environment, write_csv, write_json
 
+from .cells import Cells, source_digest
 from .sizes import DEFAULT_BUDGETS, DEFAULT_POLICIES, DEFAULT_TASKS, SIZES, TASKS, Size
 from .tables import COLUMNS, long_rows, summary_markdown
 
@@ -43,6 +47,7 @@ def run_eval(
     progress: bool = True,
     chunk: int | None = None,
     command: str | None = None,
+    resume: bool = False,
 ) -> list[dict]:
     """Evaluate `model` under each policy at each budget (fractions or token counts) on `tasks`.
 
@@ -50,8 +55,11 @@ def run_eval(
     "fidelity" (greedy drift from Full), "summarize" (needs `data`, an XSUM-style JSONL file).
     `size` is a preset name ("small", "large") or a `sizes.Size`; `chunk` overrides its tokens
     between evictions when streaming. Returns the long-form rows; with `out_dir`, also writes the
-    tables and plots there.
+    tables and plots there, and every finished perplexity and retrieval cell under `out_dir/cells/`;
+    `resume` reuses the cells stored there whose model, settings and h2o-kv source match (cells.py).
     """
+    import torch
+    import transformers
     from tqdm.auto import tqdm
 
     sized = (SIZES[size] if isinstance(size, str) else size).with_chunk(chunk)
@@ -61,6 +69,10 @@ def run_eval(
     if "summarize" in tasks and not data:
         raise ValueError("the summarize task needs a JSONL file (data=..., CLI --data) with document and summary")
     runs = configs(policies, budgets)
+    model_name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+    identity = dict(model=model_name, dtype=str(model.dtype), mode=mode, seed=seed, corpus=corpus, code=source_digest(),
+                    torch=torch.__version__, transformers=transformers.__version__)  # fmt: skip
+    cells = Cells(None if out_dir is None else Path(out_dir) / "cells", identity, resume=resume)
     retrieval = sized.retrieval
     units = {
         "perplexity": len(runs),
@@ -74,7 +86,7 @@ def run_eval(
     for task in tasks:
         bar.set_description(task)
         start = time.perf_counter()
-        run = dict(mode=mode, corpus=corpus, data=data, seed=seed, bar=bar)
+        run = dict(mode=mode, corpus=corpus, data=data, seed=seed, bar=bar, cells=cells)
         rows += TASK_RUNNERS[task](model, tokenizer, runs, sized, **run)
         timings[task] = round(time.perf_counter() - start, 1)
     bar.close()
@@ -91,25 +103,30 @@ def run_eval(
             "data": data,
             "seed": seed,
             "seconds": timings,
-            "model": getattr(model.config, "_name_or_path", "") or type(model).__name__,
+            "cells": {"ran": cells.ran, "reused": cells.reused},
+            "model": model_name,
             "environment": environment(),
         }
         write_results(rows, Path(out_dir), meta)
     return rows
 
 
-def _perplexity(model, tokenizer, runs: list[Config], size: Size, *, mode, corpus, data, seed, bar) -> list[dict]:
+def _perplexity(model, tokenizer, runs: list[Config], size: Size, *, mode, corpus, data, seed, bar, cells) -> list:
     from .perplexity import run_perplexity, text_windows
 
     ppl = size.perplexity
     windows = text_windows(tokenizer, corpus, n=ppl.windows, length=ppl.length, seed=seed)
-    wide = run_perplexity(model, windows, runs, mode=mode, chunk=ppl.chunk, progress=bar)
+    setting = dict(task="perplexity", windows=ppl.windows, length=ppl.length, chunk=ppl.chunk)
+    wide = []
+    for run in runs:
+        compute = partial(run_perplexity, model, windows, [run], mode=mode, chunk=ppl.chunk, progress=bar)
+        wide += cells.get(dict(setting, policy=run[0], budget=run[1]), compute, bar)
     for r in wide:
         r["n"] = len(windows)
     return long_rows("perplexity", wide, prefill="stream", mode=mode, chunk=ppl.chunk)
 
 
-def _retrieval(model, tokenizer, runs: list[Config], size: Size, *, mode, corpus, data, seed, bar) -> list[dict]:
+def _retrieval(model, tokenizer, runs: list[Config], size: Size, *, mode, corpus, data, seed, bar, cells) -> list:
     """Every context length; Full once per length (its answers do not depend on the prefill setting)."""
     from h2o_kv.data import load_corpus
 
@@ -120,16 +137,24 @@ def _retrieval(model, tokenizer, runs: list[Config], size: Size, *, mode, corpus
     rows = []
     for context in ret.contexts:
         samples = make_samples(tokenizer, haystack, tasks=ret.tasks, context_tokens=context, n=ret.samples, seed=seed)
-        kw = dict(chunk=ret.chunk, mode=mode, gen_cap=ret.answer_cap, progress=bar)
-        full = run_retrieval(model, tokenizer, samples, runs[:1], prefill="oneshot", **kw)
+        setting = dict(task="retrieval", tasks=list(ret.tasks), samples=ret.samples, answer_cap=ret.answer_cap,
+                       context=context)  # fmt: skip
+
+        def cell(run: Config, prefill: str, samples=samples, setting=setting) -> list[dict]:
+            chunk = ret.chunk if prefill == "stream" else None
+            compute = partial(run_retrieval, model, tokenizer, samples, [run], prefill=prefill, chunk=ret.chunk,
+                              mode=mode, gen_cap=ret.answer_cap, progress=bar)  # fmt: skip
+            return cells.get(dict(setting, prefill=prefill, chunk=chunk, policy=run[0], budget=run[1]), compute, bar)
+
+        full = cell(runs[0], "oneshot")
         for prefill in ret.prefills:
-            wide = full + run_retrieval(model, tokenizer, samples, runs[1:], prefill=prefill, **kw)
+            wide = full + [row for run in runs[1:] for row in cell(run, prefill)]
             chunk = ret.chunk if prefill == "stream" else None
             rows += long_rows("retrieval", wide, prefill=prefill, mode=mode, chunk=chunk)
     return rows
 
 
-def _fidelity(model, tokenizer, runs: list[Config], size: Size, *, mode, corpus, data, seed, bar) -> list[dict]:
+def _fidelity(model, tokenizer, runs: list[Config], size: Size, *, mode, corpus, data, seed, bar, cells) -> list:
     from .fidelity import passage_prompts, run_fidelity
 
     fid = size.fidelity
@@ -140,7 +165,7 @@ def _fidelity(model, tokenizer, runs: list[Config], size: Size, *, mode, corpus,
     return long_rows("fidelity", wide, prefill="oneshot", mode=mode, chunk=None)
 
 
-def _summarize(model, tokenizer, runs: list[Config], size: Size, *, mode, corpus, data, seed, bar) -> list[dict]:
+def _summarize(model, tokenizer, runs: list[Config], size: Size, *, mode, corpus, data, seed, bar, cells) -> list:
     from .summarize import load_jsonl, run_summarize
 
     summ = size.summarize

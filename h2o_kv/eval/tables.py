@@ -77,6 +77,10 @@ def summary_markdown(rows: list[dict], meta: dict) -> str:
     if meta.get("command"):
         lines += ["```", meta["command"], "```", ""]
     lines += [f"Seconds per task: {meta.get('seconds')}", ""]
+    reused = (meta.get("cells") or {}).get("reused", 0)
+    if reused:
+        ran = meta["cells"]["ran"]
+        lines += [f"Cells: {ran} run, {reused} reused from an earlier run (--resume; not in the seconds)", ""]
     for task in dict.fromkeys(r["task"] for r in rows):
         trows = [r for r in rows if r["task"] == task]
         for metric in PLOT_METRICS[task]:

@@ -1,0 +1,64 @@
+"""Finished cells of an evaluation on disk, so a study that runs for hours resumes where it stopped.
+
+A cell is one policy at one budget on one task setting (perplexity: the windows; retrieval: one context
+length and prefill). With an output directory every finished cell is written to `<out>/cells/` as one
+JSON file holding its rows and the key that names it: the task's settings, the model and its dtype, the
+mode, seed and corpus, the torch and transformers versions and a digest of h2o-kv's own source. `h2o-kv
+eval --resume` (`run_eval(resume=True)`) takes a cell from there when its key matches exactly and runs
+the others, so an interrupted run picks up where it stopped and a changed setting or changed code never
+reuses a stale result. Without `--resume` every cell runs (and is written, for a later `--resume`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+
+@cache
+def source_digest() -> str:
+    """A digest of the h2o_kv package's Python source: any change to the code gives another key."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+class Cells:
+    """Cells under `root` (None: nothing stored), keyed by `identity` plus each cell's own name."""
+
+    def __init__(self, root: Path | None, identity: dict[str, Any], *, resume: bool = False) -> None:
+        self.root, self.identity, self.resume = root, identity, resume
+        self.ran = self.reused = 0
+
+    def get(self, name: dict[str, Any], compute: Callable[[], list[dict]], progress: Any = None) -> list[dict]:
+        """The cell's rows: stored ones when resuming and the key matches, else `compute()` (then stored).
+        `progress` (a tqdm bar) advances by one for a reused cell, as `compute` advances it for a run one."""
+        if self.root is None:
+            self.ran += 1
+            return compute()
+        key = json.dumps({**self.identity, **name}, sort_keys=True, default=str)
+        path = self.root / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+        if self.resume and path.is_file():
+            try:
+                stored = json.loads(path.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                raise ValueError(f"stored eval cell {path} is unreadable ({err}); delete it and run again") from None
+            if stored.get("key") == key:
+                self.reused += 1
+                if progress is not None:
+                    progress.update(1)
+                return stored["rows"]
+        rows = compute()
+        self.root.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".part")
+        partial.write_text(json.dumps({"key": key, "rows": rows}))
+        os.replace(partial, path)  # whole or absent: an interrupted write leaves no half cell
+        self.ran += 1
+        return rows

@@ -238,11 +238,14 @@ def attend_one(
         bias = torch.where(pos < 0, float("-inf"), 0.0)[:, :, None]  # [B, H, 1, S] float32: empty slots
     else:  # head-pooled storage: [B, heads, 1, S], and each query head's logits viewed [B, heads, G', S]
         bias = pooled_bias(pos, slot_head, query_head.shape[0])
-    fused = slot_head is None and softcap is None and key_scale is None  # the mask rides in the matmul
+    fused = softcap is None and key_scale is None  # the mask rides in the matmul
+    if fused and slot_head is not None:  # each query head's own KV head's mask, [B, Hq, S] (one small copy)
+        heads = bias.shape[1]
+        mask = bias.to(q.dtype).expand(batch, heads, q_heads // heads, slots).reshape(batch, q_heads, slots)
+    else:
+        mask = bias.to(q.dtype).view(batch * kv_heads, -1, slots) if fused else q.new_zeros(1, 1, 1)
     logits = torch.baddbmm(
-        (bias.to(q.dtype).view(batch * kv_heads, -1, slots) if fused else q.new_zeros(1, 1, 1)).expand(
-            batch * kv_heads, group, slots
-        ),
+        mask.expand(batch * kv_heads, group, slots),
         q.reshape(batch * kv_heads, group, dim),
         keys.reshape(batch * kv_heads, slots, dim).to(q.dtype).mT,
         beta=1.0 if fused else 0.0,
@@ -253,8 +256,6 @@ def attend_one(
         logits = logits.float() * scale if softcap is not None else torch.addcmul(bias, logits.float(), scale)
     if softcap is not None:
         logits = torch.tanh(logits.float() / softcap) * softcap + bias
-    elif not fused and key_scale is None:
-        logits = logits + bias  # head-pooled: a broadcast add, cheaper than a [B, Hq, S] mask in the matmul
     logits = logits.view(batch, kv_heads, group, slots)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [B, H, G, S]
     weights = probs if value_scale is None else probs * value_scale[:, :, None]

@@ -239,11 +239,13 @@ def attend_one(
     else:  # head-pooled storage: [B, heads, 1, S], and each query head's logits viewed [B, heads, G', S]
         bias = pooled_bias(pos, slot_head, query_head.shape[0])
     fused = softcap is None and key_scale is None  # the mask rides in the matmul
-    if fused and slot_head is not None:  # each query head's own KV head's mask, [B, Hq, S] (one small copy)
+    if not fused:  # added after the product, with the key scales or the softcap
+        mask = q.new_zeros(1, 1, 1)
+    elif slot_head is None:  # one mask per KV head, shared by its group
+        mask = bias.to(q.dtype).view(batch * kv_heads, -1, slots)
+    else:  # each query head gets its own KV head's mask, [B, Hq, S] (one small copy)
         heads = bias.shape[1]
         mask = bias.to(q.dtype).expand(batch, heads, q_heads // heads, slots).reshape(batch, q_heads, slots)
-    else:
-        mask = bias.to(q.dtype).view(batch * kv_heads, -1, slots) if fused else q.new_zeros(1, 1, 1)
     logits = torch.baddbmm(
         mask.expand(batch * kv_heads, group, slots),
         q.reshape(batch * kv_heads, group, dim),

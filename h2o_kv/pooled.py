@@ -15,7 +15,7 @@ single "virtual" KV head, [batch, 1, heads x (capacity + 1)], and tags each slot
 
 The price against `KVLayer`: the attention logits are computed for every (query head, slot) pair, heads
 times the products of a uniform layer (the slots are still read once), with each KV head's mask added
-after the product (`kernel.pooled_bias`); a decode step's eviction takes the `heads + 1` lowest
+inside the product (`kernel.pooled_bias`); a decode step's eviction takes the `heads + 1` lowest
 priorities of the row (topk) instead of one minimum per head, and the next step writes into the slots
 it freed (`vacant`).
 """

@@ -70,9 +70,13 @@ def run_eval(
         raise ValueError("the summarize task needs a JSONL file (data=..., CLI --data) with document and summary")
     runs = configs(policies, budgets)
     model_name = getattr(model.config, "_name_or_path", "") or type(model).__name__
-    identity = dict(model=model_name, dtype=str(model.dtype), mode=mode, seed=seed, corpus=corpus, code=source_digest(),
-                    torch=torch.__version__, transformers=transformers.__version__)  # fmt: skip
-    cells = Cells(None if out_dir is None else Path(out_dir) / "cells", identity, resume=resume)
+    if out_dir is None:  # nothing is stored, so nothing needs a key
+        cells = Cells(None, {})
+    else:
+        identity = dict(model=model_name, dtype=str(model.dtype), mode=mode, seed=seed, corpus=corpus,
+                        code=source_digest(), torch=torch.__version__,
+                        transformers=transformers.__version__)  # fmt: skip
+        cells = Cells(Path(out_dir) / "cells", identity, resume=resume)
     retrieval = sized.retrieval
     units = {
         "perplexity": len(runs),
@@ -140,16 +144,15 @@ def _retrieval(model, tokenizer, runs: list[Config], size: Size, *, mode, corpus
         setting = dict(task="retrieval", tasks=list(ret.tasks), samples=ret.samples, answer_cap=ret.answer_cap,
                        context=context)  # fmt: skip
 
-        def cell(run: Config, prefill: str, samples=samples, setting=setting) -> list[dict]:
-            chunk = ret.chunk if prefill == "stream" else None
+        def cell(run: Config, prefill: str, chunk: int | None, samples=samples, setting=setting) -> list[dict]:
             compute = partial(run_retrieval, model, tokenizer, samples, [run], prefill=prefill, chunk=ret.chunk,
                               mode=mode, gen_cap=ret.answer_cap, progress=bar)  # fmt: skip
             return cells.get(dict(setting, prefill=prefill, chunk=chunk, policy=run[0], budget=run[1]), compute, bar)
 
-        full = cell(runs[0], "oneshot")
+        full = cell(runs[0], "oneshot", None)
         for prefill in ret.prefills:
-            wide = full + [row for run in runs[1:] for row in cell(run, prefill)]
             chunk = ret.chunk if prefill == "stream" else None
+            wide = full + [row for run in runs[1:] for row in cell(run, prefill, chunk)]
             rows += long_rows("retrieval", wide, prefill=prefill, mode=mode, chunk=chunk)
     return rows
 

@@ -222,7 +222,8 @@ def attend_one(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`attend` for one query per sequence that sees every kept token (a decode step): few kernels.
 
-    Same results as the blocked path: the query's scaled logits over all slots, empty slots masked,
+    Same results as the blocked path: the query's scaled logits over all slots, empty slots masked
+    (`pos` None: every slot holds a token, as in a full layer's decode step, and nothing is masked),
     one fused softmax in float32, the output, and the group's probabilities summed (scores) or
     averaged (last) per slot. The output [B, 1, Hq, D] needs no transpose since n = 1.
     int8 storage: the key scales multiply the logits, the value scales the probabilities; the int8
@@ -234,12 +235,14 @@ def attend_one(
     batch, q_heads, _, dim = q.shape
     kv_heads, slots = keys.shape[1], keys.shape[2]
     group = q_heads // kv_heads
-    if slot_head is None:
+    if pos is None:  # no empty slot
+        bias = None
+    elif slot_head is None:
         bias = torch.where(pos < 0, float("-inf"), 0.0)[:, :, None]  # [B, H, 1, S] float32: empty slots
     else:  # head-pooled storage: [B, heads, 1, S], and each query head's logits viewed [B, heads, G', S]
         bias = pooled_bias(pos, slot_head, query_head.shape[0])
-    fused = softcap is None and key_scale is None  # the mask rides in the matmul
-    if not fused:  # added after the product, with the key scales or the softcap
+    fused = bias is not None and softcap is None and key_scale is None  # the mask rides in the matmul
+    if not fused:  # no mask, or one added after the product with the key scales or the softcap
         mask = q.new_zeros(1, 1, 1)
     elif slot_head is None:  # one mask per KV head, shared by its group
         mask = bias.to(q.dtype).view(batch * kv_heads, -1, slots)
@@ -252,12 +255,16 @@ def attend_one(
         keys.reshape(batch * kv_heads, slots, dim).to(q.dtype).mT,
         beta=1.0 if fused else 0.0,
         alpha=scaling,
-    ).view(batch, bias.shape[1], -1, slots)
+    ).view(batch, kv_heads if bias is None else bias.shape[1], -1, slots)
     if key_scale is not None:  # int8 keys: q.k_j = s_j (q.k8_j), and the mask added in the same kernel
         scale = key_scale[:, :, None]
-        logits = logits.float() * scale if softcap is not None else torch.addcmul(bias, logits.float(), scale)
+        if softcap is not None or bias is None:
+            logits = logits.float() * scale
+        else:
+            logits = torch.addcmul(bias, logits.float(), scale)
     if softcap is not None:
-        logits = torch.tanh(logits.float() / softcap) * softcap + bias
+        logits = torch.tanh(logits.float() / softcap) * softcap
+        logits = logits if bias is None else logits + bias
     logits = logits.view(batch, kv_heads, group, slots)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [B, H, G, S]
     weights = probs if value_scale is None else probs * value_scale[:, :, None]

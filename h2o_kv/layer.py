@@ -39,6 +39,9 @@ class KVLayer(Rows, CacheLayerMixin):
     # the empty slots the last decode step left, [B, H, spare], with the `pos` tensor they index: the next
     # step writes there (any batch change, growth or compaction makes a new `pos`, and they are not used)
     vacant: tuple[torch.Tensor, torch.Tensor] | None = None
+    # the `pos` tensor of a layer whose every slot holds a token after each decode step's insertion (all its
+    # rows at one capacity, all reached): its steady decode steps need no mask and no count
+    packed: torch.Tensor | None = None
 
     def __init__(self, settings: Settings, layer_idx: int) -> None:
         super().__init__()
@@ -134,6 +137,8 @@ class KVLayer(Rows, CacheLayerMixin):
             )
         if n == 1 and self.prompt_len is not None:
             self.decoded = True
+            if not has_padding and window is None and self._full():
+                return self._decode_full(query, new_keys, new_values, scaling=scaling, softcap=softcap)
         if n == 1 and not has_padding:  # decoding: each row's token takes its next position
             qpos, first_pos, real_before = self.next_pos.view(batch, 1), self.next_pos.view(batch), None
             self.next_pos = self.next_pos + 1
@@ -176,6 +181,38 @@ class KVLayer(Rows, CacheLayerMixin):
             )
             outputs.append(out)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+    def _full(self) -> bool:
+        """A drop-mode layer whose last decode step left each head one empty slot (`_evict_one`)."""
+        return self.spare == 1 and self.vacant is not None and self.vacant[1] is self.pos
+
+    def _decode_full(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, scaling: float,
+                     softcap: float | None) -> torch.Tensor:  # fmt: skip
+        """The steady decode step, the hot path: the general path's operations in order, without the
+        bookkeeping a prompt, a chunk or a growing storage needs. The new token [B, H, 1, D] takes the slot
+        the last eviction left (its score is already zero), every head attends over its slots and then frees
+        one again."""
+        slots, self.vacant = self.vacant[0], None
+        batch, heads = slots.shape[:2]
+        qpos = self.next_pos
+        self.next_pos = qpos + 1
+        self.seen += 1
+        self.kept_bound += 1
+        self._write(slots, keys, values, qpos.expand(batch, heads, 1), zeroed=True)
+        policy, packed = self.policy, self.packed is self.pos
+        out, scores, last = self._attend(query, qpos.view(batch, 1), scaling=scaling, softcap=softcap, full=packed,
+                                         want_scores=policy.needs_scores, want_last=policy.needs_last)  # fmt: skip
+        if scores is not None:
+            if policy.decay != 1.0:
+                self.score.mul_(policy.decay)
+            self.score.add_(scores)
+        if last is not None:
+            self.last = last
+        valid = None if packed else self.pos >= 0
+        if not packed and self.min_capacity == self.max_capacity and bool(valid.all()):  # a sync, until packed
+            self.packed = self.pos  # every head now holds capacity + 1 tokens, evicts one and gets one back
+        self._evict_one(valid, self.slot_state(self.next_pos))
+        return out
 
     def _add_scores(self, scores: torch.Tensor, queries: int, observed: bool, new_from: int | None) -> None:
         """Accumulate a call's attention into the scores: decayed old scores; an observed (multi-token)
@@ -234,8 +271,11 @@ class KVLayer(Rows, CacheLayerMixin):
     def _first_empty(self) -> torch.Tensor:
         return self.pos.argmin(-1, keepdim=True)  # the first empty slot of each row (pos -1); _reserve left one
 
-    def _write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
-        """Store tokens [B, H, n, D] at their `slots` [B, H, n] with their `positions` [B, H, n] and a zero score."""
+    def _write(
+        self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, zeroed=False
+    ) -> None:
+        """Store tokens [B, H, n, D] at their `slots` [B, H, n] with their `positions` [B, H, n] and a zero score
+        (`zeroed`: the slots' scores are zero already, as an eviction leaves them)."""
         dim = keys.shape[-1]
         if self.key_scale is not None:  # int8 storage: quantize on the way in
             if keys.shape == values.shape:  # one quantize call for both (a decode step is kernel-bound)
@@ -247,6 +287,8 @@ class KVLayer(Rows, CacheLayerMixin):
         self.keys.scatter_(2, slots[..., None].expand(-1, -1, -1, dim), keys)
         self.values.scatter_(2, slots[..., None].expand(-1, -1, -1, values.shape[-1]), values)
         self.pos.scatter_(2, slots, positions)
+        if zeroed:
+            return
         self.score.scatter_(2, slots, 0.0)
         if self.last is not None:
             self.last.scatter_(2, slots, 0.0)
@@ -305,14 +347,15 @@ class KVLayer(Rows, CacheLayerMixin):
         if self.settings.mode == "drop" and self.keys.shape[2] > self.max_capacity + self.spare:
             self._compact(self.max_capacity + self.spare)
 
-    def _evict_one(self, valid: torch.Tensor, state: SlotState) -> None:
+    def _evict_one(self, valid: torch.Tensor | None, state: SlotState) -> None:
         """A decode step's eviction once the storage has more slots than any capacity: each head over its
         capacity frees the oldest of its lowest priorities, and each head within it has an empty slot,
         which it "frees" instead (its empty slots rank lowest). So each field is freed with one scatter,
         without asking which heads evict, and every head ends with the slot the next step writes to (`vacant`)."""
-        over = valid.sum(-1, keepdim=True) > self.capacity.view(-1, 1, 1)  # [B, H, 1]
-        empty_rank = torch.where(over, float("inf"), float("-inf"))
-        priority = torch.where(valid, self.policy.priority(state), empty_rank)
+        priority = self.policy.priority(state)
+        if valid is not None:  # `valid` None: every slot holds a token and every head is over its capacity
+            over = valid.sum(-1, keepdim=True) > self.capacity.view(-1, 1, 1)  # [B, H, 1]
+            priority = torch.where(valid, priority, torch.where(over, float("inf"), float("-inf")))
         lowest = priority.amin(-1, keepdim=True)
         oldest = torch.where(priority == lowest, self.pos, torch.iinfo(torch.int64).max)
         victim = oldest.argmin(-1, keepdim=True)  # [B, H, 1]: the oldest of the lowest (an empty slot: pos -1)
@@ -354,13 +397,14 @@ class KVLayer(Rows, CacheLayerMixin):
         """Used slots per row of the storage, [B, H] (a head-pooled layer has one row per sequence)."""
         return (self.pos >= 0).sum(-1)
 
-    def _attend(self, query: torch.Tensor, positions: torch.Tensor, **options):
-        """`kernel.attend` of a call's queries over this layer's slots (a head-pooled layer masks by head)."""
+    def _attend(self, query: torch.Tensor, positions: torch.Tensor, full: bool = False, **options):
+        """`kernel.attend` of a call's queries over this layer's slots (a head-pooled layer masks by head;
+        `full`: every slot holds a token, nothing to mask)."""
         work = None  # decoding from int8 (or bfloat16 on a CPU): widened into the cache's buffer, not a fresh tensor
         dtype = compute_dtype(query.dtype, query.device)
         if query.shape[2] == 1 and (self.key_scale is not None or dtype != self.keys.dtype):
             work = self.settings.work(self.keys.numel() + self.values.numel(), dtype, query.device)
-        return attend(query, self.keys, self.values, self.pos, positions, key_scale=self.key_scale,
+        return attend(query, self.keys, self.values, None if full else self.pos, positions, key_scale=self.key_scale,
                       value_scale=self.value_scale, work=work, **options)  # fmt: skip
 
     def nbytes(self) -> int:

@@ -55,6 +55,9 @@ class PooledKVLayer(KVLayer):
             self.query_head = torch.arange(self.kv_heads, device=self.device).repeat_interleave(group).view(-1, group)
         return super().forward_attention(query, attention_mask, **kwargs)
 
+    def _full(self) -> bool:
+        return False  # no `KVLayer._decode_full`: a decode step inserts and evicts across the row (below)
+
     def _insert(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> int | None:
         """n new tokens [B, heads, n, D] take n x heads slots; returns the first one (None while decoding)."""
         batch, heads, n, dim = keys.shape

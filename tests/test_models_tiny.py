@@ -203,3 +203,23 @@ def test_forward_last_logits_equal_the_models_own(arch, softcap):
             got = forward(model, mine, piece)
             expected = model(piece, past_key_values=theirs, use_cache=True).logits[:, -1]
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+STEADY = [h2o_kv.H2O(heavy=4, recent=4), h2o_kv.TOVA(budget=8), h2o_kv.SnapKV(budget=8)]
+
+
+@pytest.mark.parametrize("policy", STEADY, ids=lambda p: p.describe())
+def test_steady_decode_path_equals_the_general_one(arch, policy, monkeypatch):
+    """Once a layer is full, a decode step takes `KVLayer._decode_full` (no mask, no count once packed);
+    the general path gives the same logits and keeps the same tokens in the same slots."""
+    model, ids = make_model(arch), random_ids(2, 30)
+    steady = h2o_kv.KVCache(policy)
+    got = decode(model, ids, steady, prefill=12)
+    assert any(layer.packed is layer.pos for layer in steady.layers)  # the packed step was taken
+    monkeypatch.setattr(h2o_kv.layer.KVLayer, "_full", lambda self: False)
+    general = h2o_kv.KVCache(policy)
+    expected = decode(model, ids, general, prefill=12)
+    assert not any(layer.packed is layer.pos for layer in general.layers)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    for a, b in zip(steady.layers, general.layers):
+        assert torch.equal(a.pos, b.pos)

@@ -61,7 +61,7 @@ class SnapKV(Policy):
 
     def priority(self, state: SlotState) -> torch.Tensor:
         recent = per_prompt(state, "recent", lambda prompt_len: self.split(prompt_len)[1])
-        return state.score.masked_fill(state.pos >= state.next_pos - recent, float("inf"))
+        return torch.where(state.pos >= state.next_pos - recent, float("inf"), state.score)
 
     def describe(self) -> str:
         shared = ", shared" if self.shared else ""

@@ -24,22 +24,31 @@ cache = new_cache(model, name, policy_for(name, 0.2, L), max_len=L + 40)
 parts = {"cache layer": 0.0, "attention": 0.0, "eviction": 0.0, "insertion": 0.0, "scores": 0.0}
 
 
+running = dict.fromkeys(parts, 0)  # a part's timers running now: a method inside another of its part adds nothing
+
+
 def timed(cls, method, part):
     inner = getattr(cls, method)
 
     def run(*args, **kwargs):
+        running[part] += 1
         begin = time.perf_counter()
         try:
             return inner(*args, **kwargs)
         finally:
-            parts[part] += time.perf_counter() - begin
+            running[part] -= 1
+            if not running[part]:
+                parts[part] += time.perf_counter() - begin
 
     setattr(cls, method, run)
 
 
 layer_class = pooled_mod.PooledKVLayer if name.startswith("adakv") else layer_mod.KVLayer
+# the steady decode path (KVLayer._decode_full) writes with `_write`, evicts with `_evict_one` and adds its
+# scores inline (counted in the cache layer only); the general path reaches them through `_insert` / `_evict`
 for method, part in (("forward_attention", "cache layer"), ("_attend", "attention"), ("_evict", "eviction"),
-                     ("_insert", "insertion"), ("_add_scores", "scores")):
+                     ("_evict_one", "eviction"), ("_insert", "insertion"), ("_write", "insertion"),
+                     ("_add_scores", "scores")):
     timed(layer_class, method, part)
 with torch.inference_mode():
     token, _ = prefill(model, cache, prompt_ids(ids, L, 1))

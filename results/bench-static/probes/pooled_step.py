@@ -1,0 +1,73 @@
+"""One layer's decode step at the bench's sizes (20 % of 4096 tokens, batch 4, SmolLM2's 3 KV heads x 3
+query heads, head size 64): SnapKV's uniform layer against AdaKV(SnapKV)'s head-pooled row, and the two
+products each step makes, at their shapes (probe).
+
+Ten layers of each are prefilled with random keys and queries and decoded (medians of 20 steps per round,
+per layer). The products: the logits (queries x keys) and the weighted sum (probabilities x values), as
+[B x H, 3, 820] x [B x H, 820, 64] batches for the uniform layer and [B, 9, 2466] x [B, 2466, 64] for
+the pooled row (each query head spans every head's slots). What the pooled step costs beyond the uniform
+one, less what its products cost beyond the uniform products, is its bookkeeping (tags, mask, topk).
+
+    python results/bench-static/probes/pooled_step.py
+"""
+
+import statistics
+import time
+
+import torch
+
+from h2o_kv import AdaKV, KVCache, SnapKV
+from h2o_kv.layer import KVLayer
+from h2o_kv.pooled import PooledKVLayer
+
+B, H, G, D, N, LAYERS = 4, 3, 3, 64, 4096, 10
+
+
+def build(policy, layer_class):
+    torch.manual_seed(0)
+    cache = KVCache(policy)
+    layers = []
+    for i in range(LAYERS):
+        layer = layer_class(cache.settings, i)
+        layer.update(torch.randn(1, H, N, D), torch.randn(1, H, N, D))
+        layer.forward_attention(torch.randn(1, H * G, N, D), None, scaling=D**-0.5)
+        layer.batch_repeat_interleave(B)
+        for _ in range(3):
+            layer.update(torch.randn(B, H, 1, D), torch.randn(B, H, 1, D))
+            layer.forward_attention(torch.randn(B, H * G, 1, D), None, scaling=D**-0.5)
+        layers.append(layer)
+    return layers
+
+
+new = [(torch.randn(B, H, 1, D), torch.randn(B, H, 1, D), torch.randn(B, H * G, 1, D)) for _ in range(LAYERS)]
+
+
+def step(layers):
+    begin = time.perf_counter()
+    for layer, (k, v, q) in zip(layers, new):
+        layer.update(k, v)
+        layer.forward_attention(q, None, scaling=D**-0.5)
+    return (time.perf_counter() - begin) / LAYERS * 1e6
+
+
+def products(batches, rows, slots):
+    q, keys = torch.randn(batches, rows, D), [torch.randn(batches, slots, D) for _ in range(LAYERS)]
+    weights = torch.rand(batches, rows, slots)
+    begin = time.perf_counter()
+    for k in keys:
+        torch.bmm(q, k.mT)  # the logits
+        torch.bmm(weights, k)  # the weighted sum (the keys stand in for the values: same shape)
+    return (time.perf_counter() - begin) / LAYERS * 1e6
+
+
+with torch.inference_mode():
+    uniform, pooled = build(SnapKV(budget=0.2), KVLayer), build(AdaKV(SnapKV(budget=0.2)), PooledKVLayer)
+    slots = uniform[0].pos.shape[-1]
+    for r in range(4):
+        a = statistics.median(step(uniform) for _ in range(20))
+        b = statistics.median(step(pooled) for _ in range(20))
+        pa = statistics.median(products(B * H, G, slots) for _ in range(20))
+        pb = statistics.median(products(B, H * G, pooled[0].pos.shape[-1]) for _ in range(20))
+        print(f"round {r}: step uniform {a:.0f} us, pooled {b:.0f} us per layer; their products {pa:.0f} and {pb:.0f} us",
+              flush=True)
+print(f"slots per row: uniform {slots}, pooled {pooled[0].pos.shape[-1]} (torch threads {torch.get_num_threads()})")

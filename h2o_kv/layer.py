@@ -20,12 +20,10 @@ from transformers.cache_utils import CacheLayerMixin
 from .kernel import attend, compute_dtype
 from .policies import SlotState
 from .quant import quantize
-from .rows import SLOT_FIELDS, Rows, grow
+from .rows import GROWTH, Rows
 from .settings import Mode, PaddingMemo, Settings
 
 __all__ = ["KVLayer", "Mode", "PaddingMemo", "Settings", "GROWTH"]
-
-GROWTH = 256  # slots added at a time to an unbounded (Full) cache
 
 
 class KVLayer(Rows, CacheLayerMixin):
@@ -272,7 +270,12 @@ class KVLayer(Rows, CacheLayerMixin):
         return self.pos.argmin(-1, keepdim=True)  # the first empty slot of each row (pos -1); _reserve left one
 
     def _write(
-        self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, zeroed=False
+        self,
+        slots: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        zeroed: bool = False,
     ) -> None:
         """Store tokens [B, H, n, D] at their `slots` [B, H, n] with their `positions` [B, H, n] and a zero score
         (`zeroed`: the slots' scores are zero already, as an eviction leaves them)."""
@@ -292,17 +295,6 @@ class KVLayer(Rows, CacheLayerMixin):
         self.score.scatter_(2, slots, 0.0)
         if self.last is not None:
             self.last.scatter_(2, slots, 0.0)
-
-    def _reserve(self, needed: int) -> None:
-        """Grow the slot storage to at least `needed` slots (in blocks when unbounded)."""
-        have = self.keys.shape[2]
-        if needed <= have:
-            return
-        if self.max_capacity is None:
-            needed = -(-needed // GROWTH) * GROWTH
-        for name in SLOT_FIELDS:
-            if getattr(self, name) is not None:
-                setattr(self, name, grow(getattr(self, name), needed - have, -1 if name == "pos" else 0))
 
     def _evict(self, next_pos: torch.Tensor, window: int | None, added: int) -> None:
         """Free slots until every (sequence, head) holds at most `capacity` tokens.
@@ -377,16 +369,6 @@ class KVLayer(Rows, CacheLayerMixin):
         self.score.masked_fill_(mask, 0.0)
         if self.last is not None:
             self.last.masked_fill_(mask, 0.0)
-
-    def _compact(self, slots: int) -> None:
-        """Move kept tokens to the front and shrink storage to `slots` (after a prefill chunk)."""
-        order = torch.sort((self.pos < 0).to(torch.uint8), dim=-1, stable=True).indices[..., :slots]
-        for name in SLOT_FIELDS:
-            t = getattr(self, name)
-            if t is not None:  # [B, H, S] fields, and [B, H, S, D] keys and values
-                index = order if t.dim() == 3 else order[..., None].expand(-1, -1, -1, t.shape[-1])
-                setattr(self, name, t.gather(2, index))
-        self.used = min(self.kept_bound, slots)
 
     # -- inspection ----------------------------------------------------------------------------------
     def kept(self) -> torch.Tensor:

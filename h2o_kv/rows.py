@@ -1,4 +1,5 @@
-"""A layer's sequences (its rows along the batch dimension): select, repeat, reorder and join them.
+"""A layer's storage: its sequences (rows along the batch dimension: select, repeat, reorder and join
+them) and its slots (grow to a size, compact the kept ones to the front).
 
 transformers calls the first three (beam search, `num_return_sequences`); the engine's continuous
 batching calls `select_rows` when sequences finish and `append_rows` when new ones join. Mixed into
@@ -12,10 +13,11 @@ import torch
 
 SLOT_FIELDS = ("keys", "values", "pos", "score", "last", "key_scale", "value_scale", "head")  # [B, H, S, ...], or None
 ROW_FIELDS = ("next_pos", "prompt_len", "capacity")  # per-sequence tensors, [B, ...]
+GROWTH = 256  # slots added at a time to an unbounded (Full) cache
 
 
 class Rows:
-    """The batch-row operations of a `KVLayer` (which provides the fields and `_compact`, `occupied`)."""
+    """The storage operations of a `KVLayer` (which provides the fields and `occupied`)."""
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
@@ -84,6 +86,27 @@ class Rows:
         if self.capacity is not None and not empty:
             self.max_capacity, self.min_capacity = int(self.capacity.max()), int(self.capacity.min())
         self.kept_bound = 0 if empty else int(self.occupied().max())
+
+    def _reserve(self, needed: int) -> None:
+        """Grow the slot storage to at least `needed` slots (in blocks when unbounded)."""
+        have = self.keys.shape[2]
+        if needed <= have:
+            return
+        if self.max_capacity is None:
+            needed = -(-needed // GROWTH) * GROWTH
+        for name in SLOT_FIELDS:
+            if getattr(self, name) is not None:
+                setattr(self, name, grow(getattr(self, name), needed - have, -1 if name == "pos" else 0))
+
+    def _compact(self, slots: int) -> None:
+        """Move kept tokens to the front and shrink storage to `slots` (after a prefill chunk)."""
+        order = torch.sort((self.pos < 0).to(torch.uint8), dim=-1, stable=True).indices[..., :slots]
+        for name in SLOT_FIELDS:
+            t = getattr(self, name)
+            if t is not None:  # [B, H, S] fields, and [B, H, S, D] keys and values
+                index = order if t.dim() == 3 else order[..., None].expand(-1, -1, -1, t.shape[-1])
+                setattr(self, name, t.gather(2, index))
+        self.used = min(self.kept_bound, slots)
 
 
 def grow(t: torch.Tensor, extra: int, fill: float) -> torch.Tensor:

@@ -11,14 +11,14 @@ library's layer would cost without its Python bookkeeping. Its kept positions an
 """
 
 import statistics
-import time
 
 import torch
+from layer_steps import B, D, G, H, build, step
 
-from h2o_kv import H2O, KVCache
+from h2o_kv import H2O
 from h2o_kv.layer import KVLayer
 
-B, H, G, D, N, LAYERS, INF = 4, 3, 3, 64, 4096, 10, float("inf")
+INF = float("inf")
 
 
 class Minimal(KVLayer):
@@ -53,35 +53,8 @@ class Minimal(KVLayer):
         return out.view(B, 1, H * G, D)
 
 
-def build():
-    torch.manual_seed(0)
-    cache = KVCache(H2O(budget=0.2))
-    layers = []
-    for i in range(LAYERS):
-        layer = KVLayer(cache.settings, i)
-        layer.update(torch.randn(1, H, N, D), torch.randn(1, H, N, D))
-        layer.forward_attention(torch.randn(1, H * G, N, D), None, scaling=D**-0.5)
-        layer.batch_repeat_interleave(B)
-        for _ in range(3):
-            layer.update(torch.randn(B, H, 1, D), torch.randn(B, H, 1, D))
-            layer.forward_attention(torch.randn(B, H * G, 1, D), None, scaling=D**-0.5)
-        layers.append(layer)
-    return layers
-
-
-new = [(torch.randn(B, H, 1, D), torch.randn(B, H, 1, D), torch.randn(B, H * G, 1, D)) for _ in range(LAYERS)]
-
-
-def step(layers):
-    begin = time.perf_counter()
-    for layer, (k, v, q) in zip(layers, new):
-        layer.update(k, v)
-        layer.forward_attention(q, None, scaling=D**-0.5)
-    return (time.perf_counter() - begin) / LAYERS * 1e6
-
-
 with torch.inference_mode():
-    library, minimal = build(), build()
+    library, minimal = build(H2O(budget=0.2), KVLayer), build(H2O(budget=0.2), KVLayer)
     for layer in minimal:
         layer.__class__ = Minimal
     for r in range(4):

@@ -15,39 +15,11 @@ import statistics
 import time
 
 import torch
+from layer_steps import LAYERS, B, D, G, H, build, step
 
-from h2o_kv import AdaKV, KVCache, SnapKV
+from h2o_kv import AdaKV, SnapKV
 from h2o_kv.layer import KVLayer
 from h2o_kv.pooled import PooledKVLayer
-
-B, H, G, D, N, LAYERS = 4, 3, 3, 64, 4096, 10
-
-
-def build(policy, layer_class):
-    torch.manual_seed(0)
-    cache = KVCache(policy)
-    layers = []
-    for i in range(LAYERS):
-        layer = layer_class(cache.settings, i)
-        layer.update(torch.randn(1, H, N, D), torch.randn(1, H, N, D))
-        layer.forward_attention(torch.randn(1, H * G, N, D), None, scaling=D**-0.5)
-        layer.batch_repeat_interleave(B)
-        for _ in range(3):
-            layer.update(torch.randn(B, H, 1, D), torch.randn(B, H, 1, D))
-            layer.forward_attention(torch.randn(B, H * G, 1, D), None, scaling=D**-0.5)
-        layers.append(layer)
-    return layers
-
-
-new = [(torch.randn(B, H, 1, D), torch.randn(B, H, 1, D), torch.randn(B, H * G, 1, D)) for _ in range(LAYERS)]
-
-
-def step(layers):
-    begin = time.perf_counter()
-    for layer, (k, v, q) in zip(layers, new):
-        layer.update(k, v)
-        layer.forward_attention(q, None, scaling=D**-0.5)
-    return (time.perf_counter() - begin) / LAYERS * 1e6
 
 
 def products(batches, rows, slots):

@@ -135,8 +135,6 @@ class KVLayer(Rows, CacheLayerMixin):
             )
         if n == 1 and self.prompt_len is not None:
             self.decoded = True
-            if not has_padding and window is None and self._full():
-                return self._decode_full(query, new_keys, new_values, scaling=scaling, softcap=softcap)
         if n == 1 and not has_padding:  # decoding: each row's token takes its next position
             qpos, first_pos, real_before = self.next_pos.view(batch, 1), self.next_pos.view(batch), None
             self.next_pos = self.next_pos + 1
@@ -150,6 +148,8 @@ class KVLayer(Rows, CacheLayerMixin):
             self.policy = policy if config is None else policy.for_layer(self.layer_idx, config)
             hint = self.settings.prompt_len
             self._fix_budget(real.sum(1) if hint is None else torch.as_tensor(hint, device=self.device).expand(batch))
+        elif real_before is None and window is None and self._full():
+            return self._decode_full(query, new_keys, new_values, qpos, scaling=scaling, softcap=softcap)
         policy = self.policy
         chunk = self.settings.prefill_chunk or n
         outputs = []
@@ -182,28 +182,23 @@ class KVLayer(Rows, CacheLayerMixin):
 
     def _full(self) -> bool:
         """A drop-mode layer whose last decode step left each head one empty slot (`_evict_one`)."""
-        return self.spare == 1 and self.vacant is not None and self.vacant[1] is self.pos
+        return self.vacant is not None and self.vacant[1] is self.pos
 
-    def _decode_full(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, scaling: float,
-                     softcap: float | None) -> torch.Tensor:  # fmt: skip
+    def _decode_full(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, qpos: torch.Tensor, *,
+                     scaling: float, softcap: float | None) -> torch.Tensor:  # fmt: skip
         """The steady decode step, the hot path: the general path's operations in order, without the
-        bookkeeping a prompt, a chunk or a growing storage needs. The new token [B, H, 1, D] takes the slot
-        the last eviction left (its score is already zero), every head attends over its slots and then frees
-        one again."""
+        bookkeeping a prompt, a chunk or a growing storage needs. The new token [B, H, 1, D] at positions
+        `qpos` [B, 1] takes the slot the last eviction left (its score is already zero), every head attends
+        over its slots and then frees one again."""
         slots, self.vacant = self.vacant[0], None
         batch, heads = slots.shape[:2]
-        qpos = self.next_pos
-        self.next_pos = qpos + 1
-        self.seen += 1
         self.kept_bound += 1
-        self._write(slots, keys, values, qpos.expand(batch, heads, 1), zeroed=True)
+        self._write(slots, keys, values, qpos.view(batch, 1, 1).expand(batch, heads, 1), zeroed=True)
         policy, packed = self.policy, self.packed is self.pos
-        out, scores, last = self._attend(query, qpos.view(batch, 1), scaling=scaling, softcap=softcap, full=packed,
+        out, scores, last = self._attend(query, qpos, scaling=scaling, softcap=softcap, full=packed,
                                          want_scores=policy.needs_scores, want_last=policy.needs_last)  # fmt: skip
         if scores is not None:
-            if policy.decay != 1.0:
-                self.score.mul_(policy.decay)
-            self.score.add_(scores)
+            self._add_scores(scores, 1, observed=False, new_from=None)
         if last is not None:
             self.last = last
         valid = None if packed else self.pos >= 0

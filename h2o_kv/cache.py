@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
+from . import native
 from .attention import hand_off, take_forward_mark
 from .layer import KVLayer, Mode, Settings
 from .policies import MAX_TOKENS, Policy
@@ -29,7 +30,9 @@ class KVCache(Cache):
     chunks with eviction between them, bounding the cache by capacity + chunk. `prompt_len` sizes
     fractional budgets from that many prompt tokens, for a prompt fed in several calls.
     `kv_dtype="int8"` stores the kept keys and values as int8 with per-token scales (about 4x fewer
-    bytes than float32; see quant.py).
+    bytes than float32; see quant.py). Its decode steps on a CPU run h2o-kv's C++ kernel, built once per
+    machine where ninja and a C++ compiler are found (native.py); `compile_kernel=False` keeps the eager
+    path, `compile_kernel=True` requires the kernel (an error where it cannot be built).
     """
 
     def __init__(
@@ -40,6 +43,7 @@ class KVCache(Cache):
         prefill_chunk: int | None = None,
         prompt_len: int | None = None,
         kv_dtype: str | None = None,
+        compile_kernel: bool | None = None,
     ) -> None:
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be an h2o_kv policy (H2O, Local, ...), got {type(policy).__name__}")
@@ -51,7 +55,8 @@ class KVCache(Cache):
             if value is not None and not 0 < value <= MAX_TOKENS:
                 raise ValueError(f"{name} must be a positive int (at most {MAX_TOKENS}), got {value!r}")
         check_kv_dtype(kv_dtype)
-        self.settings = Settings(policy, mode, prefill_chunk, prompt_len, kv_dtype=kv_dtype)
+        native = use_kernel(kv_dtype, compile_kernel)
+        self.settings = Settings(policy, mode, prefill_chunk, prompt_len, kv_dtype=kv_dtype, compile_kernel=native)
         super().__init__(layer_class_to_replicate=self._new_layer)
 
     policy = property(lambda self: self.settings.policy)
@@ -172,3 +177,18 @@ def check_continues(layer: KVLayer, keys: torch.Tensor, values: torch.Tensor) ->
             "several calls (e.g. generate(..., prefill_chunk_size=...)) and the first one already fixed it: "
             "pass KVCache(..., prompt_len=<prompt tokens>), use token budgets, or KVCache(prefill_chunk=...)"
         )
+
+
+def use_kernel(kv_dtype: str | None, compile_kernel: bool | None) -> bool:
+    """Whether int8 decoding runs h2o-kv's C++ kernel: None where it can be built, True always (an error
+    where it cannot), False never. The kernel is built or loaded here, before the first step."""
+    if compile_kernel is not None and not isinstance(compile_kernel, bool):
+        raise TypeError(f"compile_kernel must be None, True or False, got {compile_kernel!r}")
+    if kv_dtype != "int8" or compile_kernel is False:
+        return False
+    reason = native.missing()
+    if reason is not None and compile_kernel:
+        raise RuntimeError(f"compile_kernel=True, but h2o-kv's int8 kernel cannot be built here: {reason}")
+    if reason is None:
+        native.load()
+    return reason is None

@@ -131,12 +131,12 @@ def test_invalid_kv_dtype_is_refused(bad):
 
 
 def test_int8_decoding_widens_into_one_reused_buffer():
-    """A decode step widens each layer's int8 keys and values into the cache's buffer, not a fresh
-    tensor per layer (new memory costs page faults): one buffer, kept across steps, the same outputs."""
+    """The eager kernel (compile_kernel=False) widens each layer's int8 keys and values into the cache's buffer,
+    not a fresh tensor per layer (new memory costs page faults): one buffer, kept across steps, the same outputs."""
     from h2o_kv.kernel import attend_one
 
     model, ids = make_model("llama"), random_ids(2, 40)
-    cache = h2o_kv.KVCache(h2o_kv.H2O(heavy=8, recent=8), kv_dtype="int8")
+    cache = h2o_kv.KVCache(h2o_kv.H2O(heavy=8, recent=8), kv_dtype="int8", compile_kernel=False)
     decode(model, ids[:, :34], cache, prefill=30)
     work = cache.settings._work
     layer = cache.layers[0]
@@ -151,3 +151,68 @@ def test_int8_decoding_widens_into_one_reused_buffer():
     out, scores, _ = attend_one(*args, work=work, **options)
     fresh_out, fresh_scores, _ = attend_one(*args, **options)
     assert torch.equal(out, fresh_out) and torch.equal(scores, fresh_scores)
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize(
+    "batch,heads,group,slots,dim",
+    [(2, 2, 3, 37, 16), (3, 1, 1, 64, 64), (1, 3, 2, 5, 24), (2, 2, 4, 129, 8)],
+    ids=["gqa", "mha", "tail_dim", "odd_slots"],
+)
+def test_int8_kernel_equals_the_eager_path(batch, heads, group, slots, dim, softcap):
+    """h2o-kv's C++ kernel (quant.attend_one_int8) gives attend_one's output, scores and last-query attention
+    over the same int8 storage and empty slots, for slot counts and head sizes off the vector width."""
+    from h2o_kv.kernel import attend_one
+    from h2o_kv.quant import attend_one_int8
+
+    torch.manual_seed(slots)
+    q = torch.randn(batch, heads * group, 1, dim)
+    (keys, key_scale), (values, value_scale) = (
+        quantize(torch.randn(batch, heads, slots, dim) * 3),
+        quantize(torch.randn(batch, heads, slots, dim)),
+    )
+    pos = torch.arange(slots).repeat(batch, heads, 1)
+    pos[0, -1, 1 : slots // 2] = -1
+    options = dict(scaling=dim**-0.5, softcap=softcap, want_scores=True, want_last=True)
+    got = attend_one_int8(q, keys, values, key_scale, value_scale, pos, **options)
+    expected = attend_one(q, keys, values, pos, key_scale=key_scale, value_scale=value_scale, **options)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert float(got[1][0, -1, 1 : slots // 2].abs().max()) == 0.0  # an empty slot gets no attention
+
+
+def test_int8_decoding_runs_the_kernel_with_the_eager_results(arch, monkeypatch):
+    """Where the kernel can be built (here), an int8 cache decodes through it (counted), and its logits and
+    kept tokens are those of the eager path (compile_kernel=False)."""
+    from h2o_kv import kernel
+
+    calls = []
+    native_attend = kernel.attend_one_int8
+    monkeypatch.setattr(kernel, "attend_one_int8", lambda *a, **k: calls.append(1) or native_attend(*a, **k))
+    model, ids = make_model(arch), random_ids(2, 40)
+    policy = h2o_kv.H2O(heavy=8, recent=8)
+    eager, cache = (
+        h2o_kv.KVCache(policy, kv_dtype="int8", compile_kernel=False),
+        h2o_kv.KVCache(policy, kv_dtype="int8"),
+    )
+    assert cache.settings.compile_kernel and not eager.settings.compile_kernel
+    expected = decode(model, ids, eager, prefill=20)
+    assert not calls
+    got = decode(model, ids, cache, prefill=20)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert len(calls) >= 20  # every decode step of at least one layer (sliding layers take the blocked path)
+    for a, b in zip(cache.layers, eager.layers):
+        assert torch.equal(a.pos.sort(-1).values, b.pos.sort(-1).values)
+
+
+def test_compile_kernel_is_checked(monkeypatch):
+    from h2o_kv import native
+
+    policy = h2o_kv.H2O(heavy=4, recent=4)
+    with pytest.raises(TypeError, match="compile_kernel must be None, True or False"):
+        h2o_kv.KVCache(policy, kv_dtype="int8", compile_kernel="yes")
+    assert not h2o_kv.KVCache(policy, compile_kernel=True).settings.compile_kernel  # float storage: no kernel
+    monkeypatch.setattr(native, "missing", lambda: "ninja is not installed (pip install ninja)")
+    with pytest.raises(RuntimeError, match="cannot be built here: ninja is not installed"):
+        h2o_kv.KVCache(policy, kv_dtype="int8", compile_kernel=True)
+    assert not h2o_kv.KVCache(policy, kv_dtype="int8").settings.compile_kernel  # the eager path where it cannot

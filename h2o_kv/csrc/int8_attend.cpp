@@ -1,0 +1,152 @@
+// One decode step's attention over int8 keys and values (h2o_kv/quant.py, `attend_one_int8`).
+//
+// Torch has no int8 x float product on a CPU, so its eager path widens a layer's keys and values to float
+// and multiplies them with MKL: it writes and reads the 4x larger float copy. This kernel widens each
+// (sequence, KV head) row into a buffer that stays in the core's cache and does the products there, with
+// the same operations as kernel.attend_one: logits q . k_j * s_j, empty slots masked, softmax, the output
+// sum_j p_j (v_j * t_j), and each slot's probability summed (scores) and averaged (last) over the group.
+//
+// q [B, Hq, D] float32, already scaled; keys, values [B, H, S, D] int8; key_scale, value_scale [B, H, S]
+// float32; pos [B, H, S] int64 (-1: an empty slot); softcap > 0 applies tanh(x / c) * c to the logits.
+// Returns out [B, Hq, D], scores [B, H, S], last [B, H, S]. Rows (sequence, KV head) run in parallel on
+// torch's threads (at::parallel_for).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int V = Vec::size();
+
+// logits[j] = q . k_j for the S widened keys [S, D]: V slots at a time, one accumulator per slot (V
+// independent chains over D), then one transpose turns the V partial vectors into V dot products.
+void dots(const float* q, const float* keys, int64_t S, int64_t D, float* logits) {
+  alignas(64) float partial[V * V], columns[V * V];
+  int64_t s0 = 0;
+  if (D % V == 0) {
+    for (; s0 + V <= S; s0 += V) {
+      Vec acc[V];
+      for (int j = 0; j < V; ++j) acc[j] = Vec(0.f);
+      const float* k = keys + s0 * D;
+      for (int64_t d = 0; d < D; d += V) {
+        const Vec qd = Vec::loadu(q + d);
+        for (int j = 0; j < V; ++j) acc[j] = at::vec::fmadd(qd, Vec::loadu(k + j * D + d), acc[j]);
+      }
+      for (int j = 0; j < V; ++j) acc[j].store(partial + j * V);
+      at::vec::transpose_mxn<float, V, V>(partial, V, columns, V);
+      Vec sum = Vec::loadu(columns);
+      for (int i = 1; i < V; ++i) sum = sum + Vec::loadu(columns + i * V);
+      sum.store(logits + s0);
+    }
+  }
+  for (; s0 < S; ++s0) {  // the last S % V slots (all of them when D is not a multiple of V)
+    float sum = 0.f;
+    for (int64_t d = 0; d < D; ++d) sum += q[d] * keys[s0 * D + d];
+    logits[s0] = sum;
+  }
+}
+
+// out += sum_s p_s * values_s over the S widened values [S, D], V lanes of the output at a time.
+void weighted_sum(const float* p, const float* values, int64_t S, int64_t D, float* out) {
+  int64_t d0 = 0;
+  for (; d0 + 4 * V <= D; d0 += 4 * V) {  // four independent accumulators in registers
+    Vec o0(0.f), o1(0.f), o2(0.f), o3(0.f);
+    for (int64_t s = 0; s < S; ++s) {
+      const Vec w(p[s]);
+      const float* v = values + s * D + d0;
+      o0 = at::vec::fmadd(w, Vec::loadu(v), o0);
+      o1 = at::vec::fmadd(w, Vec::loadu(v + V), o1);
+      o2 = at::vec::fmadd(w, Vec::loadu(v + 2 * V), o2);
+      o3 = at::vec::fmadd(w, Vec::loadu(v + 3 * V), o3);
+    }
+    o0.store(out + d0);
+    o1.store(out + d0 + V);
+    o2.store(out + d0 + 2 * V);
+    o3.store(out + d0 + 3 * V);
+  }
+  for (; d0 < D; ++d0) {
+    float sum = 0.f;
+    for (int64_t s = 0; s < S; ++s) sum += p[s] * values[s * D + d0];
+    out[d0] = sum;
+  }
+}
+
+void softmax(float* x, int64_t n) {
+  const float top = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, x, n);
+  at::vec::map([top](Vec a) { return (a - Vec(top)).exp(); }, x, x, n);
+  const float inv = 1.f / at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, x, n);
+  at::vec::map([inv](Vec a) { return a * Vec(inv); }, x, x, n);
+}
+
+std::vector<at::Tensor> int8_attend_one(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                                        const at::Tensor& key_scale, const at::Tensor& value_scale,
+                                        const at::Tensor& pos, double softcap) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kChar && values.scalar_type() == at::kChar
+              && key_scale.scalar_type() == at::kFloat && value_scale.scalar_type() == at::kFloat
+              && pos.scalar_type() == at::kLong, "int8_attend_one: float32 q and scales, int8 keys/values, int64 pos");
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && keys.sizes() == values.sizes() && keys.size(0) == q.size(0)
+              && keys.size(3) == q.size(2) && q.size(1) % keys.size(1) == 0, "int8_attend_one: shapes do not match");
+  const int64_t B = keys.size(0), H = keys.size(1), S = keys.size(2), D = keys.size(3), G = q.size(1) / H;
+  const at::Tensor qc = q.contiguous(), kc = keys.contiguous(), vc = values.contiguous();
+  const at::Tensor ksc = key_scale.contiguous(), vsc = value_scale.contiguous(), pc = pos.contiguous();
+  at::Tensor out = at::empty({B, G * H, D}, q.options());
+  at::Tensor scores = at::empty({B, H, S}, q.options());
+  at::Tensor last = at::empty({B, H, S}, q.options());
+  const float* qp = qc.data_ptr<float>();
+  const int8_t* kp = kc.data_ptr<int8_t>();
+  const int8_t* vp = vc.data_ptr<int8_t>();
+  const float* ksp = ksc.data_ptr<float>();
+  const float* vsp = vsc.data_ptr<float>();
+  const int64_t* pp = pc.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  float* sp = scores.data_ptr<float>();
+  float* lp = last.data_ptr<float>();
+  const float cap = static_cast<float>(softcap);
+  const float hidden = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> probs(G * S), wide(S * D);  // one row's probabilities and widened keys, then values
+    for (int64_t r = begin; r < end; ++r) {
+      const int8_t* k8 = kp + r * S * D;
+      const int8_t* v8 = vp + r * S * D;
+      const float *ks = ksp + r * S, *vs = vsp + r * S;
+      const int64_t* slot_pos = pp + r * S;
+      for (int64_t i = 0; i < S * D; ++i) wide[i] = static_cast<float>(k8[i]);
+      for (int64_t g = 0; g < G; ++g) {
+        float* p = probs.data() + g * S;
+        dots(qp + (r * G + g) * D, wide.data(), S, D, p);
+        for (int64_t s = 0; s < S; ++s) {
+          float x = p[s] * ks[s];
+          if (cap > 0.f) x = std::tanh(x / cap) * cap;
+          p[s] = slot_pos[s] < 0 ? hidden : x;
+        }
+        softmax(p, S);
+      }
+      for (int64_t s = 0; s < S; ++s)
+        for (int64_t d = 0; d < D; ++d) wide[s * D + d] = static_cast<float>(v8[s * D + d]) * vs[s];
+      for (int64_t g = 0; g < G; ++g) weighted_sum(probs.data() + g * S, wide.data(), S, D, op + (r * G + g) * D);
+      for (int64_t s = 0; s < S; ++s) {
+        float total = 0.f;
+        for (int64_t g = 0; g < G; ++g) total += probs[g * S + s];
+        sp[r * S + s] = total;
+        lp[r * S + s] = total / static_cast<float>(G);
+      }
+    }
+  });
+  return {out, scores, last};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(h2o_kv, m) {
+  m.def("int8_attend_one(Tensor q, Tensor keys, Tensor values, Tensor key_scale, Tensor value_scale, Tensor pos, "
+        "float softcap) -> Tensor[]",
+        &int8_attend_one);
+}

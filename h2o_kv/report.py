@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from .kernel import native_products
+
 Row = dict[str, Any]
 
 
@@ -55,11 +57,22 @@ def environment() -> Row:
         transformers=transformers.__version__,
         machine=platform.machine(),
         processor=platform.processor() or None,
+        cpu_model=_cpu_model(),  # the VMs this runs on differ: AVX2-only, or AVX-512 with bfloat16 products
+        cpu_capability=torch.backends.cpu.get_cpu_capability(),
+        bfloat16_products=native_products(torch.bfloat16),
         cpus=os.cpu_count(),
         torch_threads=torch.get_num_threads(),
         load_avg=os.getloadavg() if hasattr(os, "getloadavg") else None,  # a busy machine gives noisy timings
         cuda=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     )
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:  # not Linux: platform.processor() above says what it can
+        return None
 
 
 def command_line(argv: Sequence[str] | None = None) -> str:

@@ -114,9 +114,10 @@ def test_snapkv_keeps_the_same_tokens_through_the_prompt_path(chunks):
 
 @pytest.mark.parametrize("n", [1, 12], ids=["decode", "prompt"])
 @pytest.mark.parametrize("int8", [False, True], ids=["bf16-kv", "int8-kv"])
-def test_bfloat16_on_a_cpu_computes_in_float32(n, int8):
-    """bfloat16 products are emulated on most CPUs (5-20x slower): the kernel upcasts to float32, so a
-    bfloat16 call gives exactly the float32 call on the same (bfloat16) numbers, cast back."""
+def test_bfloat16_on_a_cpu_without_native_products_computes_in_float32(n, int8, monkeypatch):
+    """bfloat16 products are emulated on CPUs without AVX-512 BF16 or AMX (5-20x slower): the kernel upcasts
+    to float32, so a bfloat16 call gives exactly the float32 call on the same (bfloat16) numbers, cast back."""
+    monkeypatch.setattr(kernel, "native_products", lambda dtype: False)
     keys, values, pos = slots(2, 2, 12 - n, n, 3, 16, torch.bfloat16)
     q = torch.randn(2, 4, n, 16, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     qpos = torch.arange(12 - n, 12).expand(2, n)
@@ -133,7 +134,30 @@ def test_bfloat16_on_a_cpu_computes_in_float32(n, int8):
     assert torch.equal(out, ref.to(torch.bfloat16)) and torch.equal(scores, ref_scores)
 
 
-def test_a_bfloat16_layer_decodes_through_one_float32_buffer():
+@pytest.mark.parametrize("int8", [False, True], ids=["bf16-kv", "int8-kv"])
+def test_bfloat16_on_a_cpu_with_native_products_computes_in_bfloat16(int8, monkeypatch):
+    """Where the CPU multiplies bfloat16 in hardware, the products stay in bfloat16 (int8 storage's kernel
+    takes float32 queries): close to the float32 call on the same numbers, and not equal to it."""
+    monkeypatch.setattr(kernel, "native_products", lambda dtype: True)
+    keys, values, pos = slots(2, 2, 11, 1, 3, 16, torch.bfloat16)
+    q = torch.randn(2, 4, 1, 16, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    options = dict(scaling=0.25, want_scores=True)
+    if int8:
+        (k8, v8), (ks, vs) = h2o_kv.quant.quantize(torch.stack((keys, values)))
+        options |= dict(key_scale=ks, value_scale=vs, compiled=True)
+        keys, values = k8, v8
+    out, scores, _ = kernel.attend(q, keys, values, pos, torch.full((2, 1), 11), **options)
+    wide = (keys, values) if int8 else (keys.float(), values.float())
+    ref, ref_scores, _ = kernel.attend(q.float(), *wide, pos, torch.full((2, 1), 11), **options)
+    assert out.dtype == torch.bfloat16 and kernel.compute_dtype(torch.bfloat16, q.device) == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(scores, ref_scores, atol=2e-2, rtol=2e-2)
+    if not int8:
+        assert not torch.equal(scores, ref_scores)  # the logits really were computed in bfloat16
+
+
+def test_a_bfloat16_layer_decodes_through_one_float32_buffer(monkeypatch):
+    monkeypatch.setattr(kernel, "native_products", lambda dtype: False)
     q, k, v = (t.to(torch.bfloat16) for t in random_qkv(total=20, seed=37))
     out, layer = run_layer(h2o_kv.H2O(heavy=3, recent=2), q, k, v, [12] + [1] * 8)
     assert out.dtype == torch.bfloat16 and layer.keys.dtype == torch.bfloat16

@@ -30,9 +30,10 @@ class KVCache(Cache):
     chunks with eviction between them, bounding the cache by capacity + chunk. `prompt_len` sizes
     fractional budgets from that many prompt tokens, for a prompt fed in several calls.
     `kv_dtype="int8"` stores the kept keys and values as int8 with per-token scales (about 4x fewer
-    bytes than float32; see quant.py). Its decode steps on a CPU run h2o-kv's C++ kernel, built once per
-    machine where ninja and a C++ compiler are found (native.py); `compile_kernel=False` keeps the eager
-    path, `compile_kernel=True` requires the kernel (an error where it cannot be built).
+    bytes than float32; see quant.py). Decode steps on a CPU over int8 storage or a head-pooled layer
+    (AdaKV) run h2o-kv's C++ kernels, built once per machine where ninja and a C++ compiler are found
+    (native.py); `compile_kernel=False` keeps the eager path, `compile_kernel=True` requires the kernels (an
+    error where they cannot be built).
     """
 
     def __init__(
@@ -55,8 +56,8 @@ class KVCache(Cache):
             if value is not None and not 0 < value <= MAX_TOKENS:
                 raise ValueError(f"{name} must be a positive int (at most {MAX_TOKENS}), got {value!r}")
         check_kv_dtype(kv_dtype)
-        native = use_kernel(kv_dtype, compile_kernel)
-        self.settings = Settings(policy, mode, prefill_chunk, prompt_len, kv_dtype=kv_dtype, compile_kernel=native)
+        kernels = use_kernels(compile_kernel)
+        self.settings = Settings(policy, mode, prefill_chunk, prompt_len, kv_dtype=kv_dtype, compile_kernel=kernels)
         super().__init__(layer_class_to_replicate=self._new_layer)
 
     policy = property(lambda self: self.settings.policy)
@@ -179,16 +180,15 @@ def check_continues(layer: KVLayer, keys: torch.Tensor, values: torch.Tensor) ->
         )
 
 
-def use_kernel(kv_dtype: str | None, compile_kernel: bool | None) -> bool:
-    """Whether int8 decoding runs h2o-kv's C++ kernel: None where it can be built, True always (an error
-    where it cannot), False never. The kernel is built or loaded here, before the first step."""
+def use_kernels(compile_kernel: bool | None) -> bool:
+    """Whether decode steps use h2o-kv's C++ kernels (native.py): None where they can be built, True always
+    (an error where they cannot), False never. They are built (once per machine) or loaded at the first
+    decode step on a CPU that needs one, so a cache on a GPU, or a float32 uniform one, never builds them."""
     if compile_kernel is not None and not isinstance(compile_kernel, bool):
         raise TypeError(f"compile_kernel must be None, True or False, got {compile_kernel!r}")
-    if kv_dtype != "int8" or compile_kernel is False:
+    if compile_kernel is False:
         return False
     reason = native.missing()
     if reason is not None and compile_kernel:
-        raise RuntimeError(f"compile_kernel=True, but h2o-kv's int8 kernel cannot be built here: {reason}")
-    if reason is None:
-        native.load()
+        raise RuntimeError(f"compile_kernel=True, but h2o-kv's C++ kernels cannot be built here: {reason}")
     return reason is None

@@ -10,7 +10,8 @@ import functools
 
 import torch
 
-from .quant import attend_one_int8, dequantize
+from . import native
+from .quant import dequantize
 
 QUERY_BLOCK_ELEMENTS = 1 << 21  # a block's [heads x queries x slots] logits: 8 MiB in float32, cache-sized
 EMULATED = (torch.bfloat16, torch.float16)  # on a CPU without native support their products are 5-20x slower
@@ -55,7 +56,7 @@ def attend(
     slot_head: torch.Tensor | None = None,
     query_head: torch.Tensor | None = None,
     work: torch.Tensor | None = None,
-    compiled: bool = False,
+    native_kernels: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Attention of new queries over cache slots, per KV head, returning what the policies need.
 
@@ -69,8 +70,9 @@ def attend(
     observation window), and the attention from the last query averaged over
     the group's heads [B, H, S]. Queries go in blocks so no [n x S] matrix is materialised.
     int8 keys/values come with their per-slot scales `key_scale`/`value_scale` [B, H, S] (quant.py);
-    a decode step widens them into `work` when given (`widen`), or runs `quant.attend_one_int8` when `compiled`
-    (one storage row per KV head). bfloat16/float16 on a CPU computes in
+    a decode step widens them into `work` when given (`widen`). With `native_kernels`, a decode step over int8
+    storage (one row per KV head; `pos` given) or over a float32 head-pooled row runs h2o-kv's C++ kernel
+    instead (native.py). bfloat16/float16 on a CPU computes in
     float32 (`compute_dtype`) and returns the output in the query's dtype.
     A head-pooled layer (one storage row shared by the KV heads, pooled.py) gives each slot's KV head
     `slot_head` [B, 1, S] and each query head's KV head `query_head` [H, G] (h for row h): a query sees only its own
@@ -80,11 +82,14 @@ def attend(
     q = q.to(compute_dtype(dtype, q.device))
     batch, q_heads, n, dim = q.shape
     if n == 1 and window is None and not has_padding:
-        if compiled and key_scale is not None and slot_head is None:
-            out, scores, last = attend_one_int8(q.float(), keys, values, key_scale, value_scale, pos, scaling=scaling,
-                                                softcap=softcap, want_scores=want_scores,
-                                                want_last=want_last)  # fmt: skip
-            return out.to(dtype), scores, last
+        if native_kernels and key_scale is not None and slot_head is None:
+            out, scores, last = native.int8_attend_one(q, keys, values, key_scale, value_scale, pos, scaling=scaling,
+                                                       softcap=softcap)  # fmt: skip
+            return out.to(dtype), scores if want_scores else None, last if want_last else None
+        if native_kernels and slot_head is not None and key_scale is None and keys.dtype == q.dtype == torch.float32:
+            out, scores, last = native.pooled_attend_one(q, keys, values, slot_head, pos, query_head.shape[0],
+                                                         scaling=scaling, softcap=softcap)  # fmt: skip
+            return out, scores if want_scores else None, last if want_last else None
         out, scores, last = attend_one(q, keys, values, pos, scaling=scaling, softcap=softcap, want_scores=want_scores,
                                        want_last=want_last, key_scale=key_scale, value_scale=value_scale,
                                        slot_head=slot_head, query_head=query_head, work=work)  # fmt: skip

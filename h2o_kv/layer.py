@@ -379,13 +379,13 @@ class KVLayer(Rows, CacheLayerMixin):
         `full`: every slot holds a token, nothing to mask)."""
         work = None  # decoding from int8 (or bfloat16 on a CPU): widened into the cache's buffer, not a fresh tensor
         dtype = compute_dtype(query.dtype, query.device)
-        compiled = self.settings.compile_kernel and self.key_scale is not None and self.head is None  # quant.py
-        compiled = compiled and query.device.type == "cpu"
-        if query.shape[2] == 1 and not compiled and (self.key_scale is not None or dtype != self.keys.dtype):
+        native = self.settings.compile_kernel and query.device.type == "cpu"  # h2o-kv's C++ kernels (native.py)
+        int8_kernel = native and self.key_scale is not None and self.head is None
+        if query.shape[2] == 1 and not int8_kernel and (self.key_scale is not None or dtype != self.keys.dtype):
             work = self.settings.work(self.keys.numel() + self.values.numel(), dtype, query.device)
-        pos = None if full and not compiled else self.pos  # the compiled kernel masks in its loop: one variant
+        pos = None if full and not int8_kernel else self.pos  # the int8 kernel masks in its loop
         return attend(query, self.keys, self.values, pos, positions, key_scale=self.key_scale,
-                      value_scale=self.value_scale, work=work, compiled=compiled, **options)  # fmt: skip
+                      value_scale=self.value_scale, work=work, native_kernels=native, **options)  # fmt: skip
 
     def nbytes(self) -> int:
         tensors = (self.keys, self.values, self.pos, self.score, self.last, self.key_scale, self.value_scale, self.head)

@@ -13,11 +13,12 @@ single "virtual" KV head, [batch, 1, heads x (capacity + 1)], and tags each slot
 - eviction ranks the row: the lowest-priority `excess` slots go, whichever head holds them, which is
   Ada-KV's layer-wide top-k selection (a decode step adds and then evicts `heads` slots).
 
-The price against `KVLayer`: the attention logits are computed for every (query head, slot) pair, heads
-times the products of a uniform layer (the slots are still read once), with each KV head's mask added
-inside the product (`kernel.pooled_bias`); a decode step's eviction takes the `heads + 1` lowest
-priorities of the row (topk) instead of one minimum per head, and the next step writes into the slots
-it freed (`vacant`).
+The price against `KVLayer`: the eager attention computes the logits for every (query head, slot) pair,
+heads times the products of a uniform layer (the slots are still read once), with each KV head's mask
+added inside the product (`kernel.pooled_bias`); a decode step on a CPU runs h2o-kv's C++ kernel instead
+(`native.pooled_attend_one`: each query head against its own head's slots only). A decode step's
+eviction takes the `heads + 1` lowest priorities of the row (topk) instead of one minimum per head, and
+the next step writes into the slots it freed (`vacant`).
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ in its slot, so freeing, reusing or compacting slots moves it with the token. Th
 new tokens on insert; the kernel applies the scales around its matmuls (q . k_j = s_j (q . k8_j),
 sum_j p_j s_j v8_j = (p * s) @ v8), so no dequantized copy of the storage is kept.
 
-Torch has no int8 x float product on CPU. A decode step on a CPU therefore runs `attend_one_int8`,
-h2o-kv's C++ kernel (csrc/int8_attend.cpp, built at first use: native.py), which widens each (sequence,
+Torch has no int8 x float product on CPU. A decode step on a CPU therefore runs `native.int8_attend_one`,
+h2o-kv's C++ kernel (csrc/attend_one.cpp, built at first use: native.py), which widens each (sequence,
 KV head) row inside the core's cache, so the step reads the 4x fewer bytes and writes no float copy
 (`results/bench-static/probes/int8_kernel.txt`). Where it cannot be built, or with
 `KVCache(..., compile_kernel=False)`, the eager path widens one layer's int8 keys and values to float at
@@ -17,8 +17,6 @@ the eager path too.
 from __future__ import annotations
 
 import torch
-
-from . import native
 
 KV_DTYPES = ("int8",)  # storage formats besides the model's own dtype (kv_dtype=None)
 INT8_MAX = 127
@@ -41,27 +39,3 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The float tensor [..., D] an int8 tensor and its per-vector scales [...] stand for."""
     return (q.to(torch.float32) * scale.unsqueeze(-1)).to(dtype)
-
-
-def attend_one_int8(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    key_scale: torch.Tensor,
-    value_scale: torch.Tensor,
-    pos: torch.Tensor,
-    *,
-    scaling: float,
-    softcap: float | None = None,
-    want_scores: bool = False,
-    want_last: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """`kernel.attend_one` over int8 storage on a CPU, in h2o-kv's C++ kernel (native.py): q [B, Hq, 1, D]
-    float32, keys/values [B, H, S, D] int8 with their scales [B, H, S], pos [B, H, S] (-1 = empty slot)."""
-    native.load()
-    batch, q_heads, _, dim = q.shape
-    query = (q * scaling).reshape(batch, q_heads, dim)
-    out, scores, last = torch.ops.h2o_kv.int8_attend_one(
-        query, keys, values, key_scale, value_scale, pos, 0.0 if softcap is None else softcap
-    )
-    return out.view(batch, 1, q_heads, dim), scores if want_scores else None, last if want_last else None

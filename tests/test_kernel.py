@@ -144,7 +144,7 @@ def test_bfloat16_on_a_cpu_with_native_products_computes_in_bfloat16(int8, monke
     options = dict(scaling=0.25, want_scores=True)
     if int8:
         (k8, v8), (ks, vs) = h2o_kv.quant.quantize(torch.stack((keys, values)))
-        options |= dict(key_scale=ks, value_scale=vs, compiled=True)
+        options |= dict(key_scale=ks, value_scale=vs, native_kernels=True)
         keys, values = k8, v8
     out, scores, _ = kernel.attend(q, keys, values, pos, torch.full((2, 1), 11), **options)
     wide = (keys, values) if int8 else (keys.float(), values.float())
@@ -166,3 +166,29 @@ def test_a_bfloat16_layer_decodes_through_one_float32_buffer(monkeypatch):
                                         {"recent": 2})  # fmt: skip
     assert kept_positions(layer) == ref_kept
     torch.testing.assert_close(out[0].double(), ref_out, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize(
+    "batch,heads,group,slots,dim", [(2, 3, 3, 40, 64), (1, 2, 1, 9, 16), (3, 4, 2, 67, 24)], ids=["gqa", "mha", "tail"]
+)
+def test_pooled_kernel_equals_the_eager_path(batch, heads, group, slots, dim, softcap):
+    """h2o-kv's C++ kernel for a head-pooled row (native.pooled_attend_one: each query head against its own
+    head's slots only) gives attend_one's output, scores and last-query attention (every head x slot pair,
+    the other heads' slots masked), with empty slots and heads holding different numbers of slots."""
+    from h2o_kv import native
+
+    gen = torch.Generator().manual_seed(slots)
+    q = torch.randn(batch, heads * group, 1, dim, generator=gen)
+    keys, values = torch.randn(2, batch, 1, slots, dim, generator=gen)
+    tag = torch.randint(0, heads, (batch, 1, slots), generator=gen, dtype=torch.int8)
+    tag[..., :heads] = torch.arange(heads, dtype=torch.int8)  # every head holds at least one slot
+    pos = torch.randperm(slots, generator=gen).repeat(batch, 1, 1)
+    pos[..., heads:][torch.rand(batch, 1, slots - heads, generator=gen) < 0.2] = -1
+    query_head = torch.arange(heads).repeat_interleave(group).view(-1, group)
+    got = native.pooled_attend_one(q, keys, values, tag, pos, heads, scaling=dim**-0.5, softcap=softcap)
+    expected = kernel.attend_one(q, keys, values, pos, scaling=dim**-0.5, softcap=softcap, want_scores=True,
+                                 want_last=True, slot_head=tag, query_head=query_head)  # fmt: skip
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert float(got[1].masked_select(pos < 0).abs().sum()) == 0.0  # an empty slot gets no attention

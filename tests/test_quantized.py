@@ -160,10 +160,10 @@ def test_int8_decoding_widens_into_one_reused_buffer():
     ids=["gqa", "mha", "tail_dim", "odd_slots"],
 )
 def test_int8_kernel_equals_the_eager_path(batch, heads, group, slots, dim, softcap):
-    """h2o-kv's C++ kernel (quant.attend_one_int8) gives attend_one's output, scores and last-query attention
+    """h2o-kv's C++ kernel (native.int8_attend_one) gives attend_one's output, scores and last-query attention
     over the same int8 storage and empty slots, for slot counts and head sizes off the vector width."""
     from h2o_kv.kernel import attend_one
-    from h2o_kv.quant import attend_one_int8
+    from h2o_kv.native import int8_attend_one
 
     torch.manual_seed(slots)
     q = torch.randn(batch, heads * group, 1, dim)
@@ -174,7 +174,7 @@ def test_int8_kernel_equals_the_eager_path(batch, heads, group, slots, dim, soft
     pos = torch.arange(slots).repeat(batch, heads, 1)
     pos[0, -1, 1 : slots // 2] = -1
     options = dict(scaling=dim**-0.5, softcap=softcap, want_scores=True, want_last=True)
-    got = attend_one_int8(q, keys, values, key_scale, value_scale, pos, **options)
+    got = int8_attend_one(q, keys, values, key_scale, value_scale, pos, scaling=dim**-0.5, softcap=softcap)
     expected = attend_one(q, keys, values, pos, key_scale=key_scale, value_scale=value_scale, **options)
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
@@ -184,11 +184,11 @@ def test_int8_kernel_equals_the_eager_path(batch, heads, group, slots, dim, soft
 def test_int8_decoding_runs_the_kernel_with_the_eager_results(arch, monkeypatch):
     """Where the kernel can be built (here), an int8 cache decodes through it (counted), and its logits and
     kept tokens are those of the eager path (compile_kernel=False)."""
-    from h2o_kv import kernel
+    from h2o_kv import native
 
     calls = []
-    native_attend = kernel.attend_one_int8
-    monkeypatch.setattr(kernel, "attend_one_int8", lambda *a, **k: calls.append(1) or native_attend(*a, **k))
+    native_attend = native.int8_attend_one
+    monkeypatch.setattr(native, "int8_attend_one", lambda *a, **k: calls.append(1) or native_attend(*a, **k))
     model, ids = make_model(arch), random_ids(2, 40)
     policy = h2o_kv.H2O(heavy=8, recent=8)
     eager, cache = (
@@ -211,7 +211,7 @@ def test_compile_kernel_is_checked(monkeypatch):
     policy = h2o_kv.H2O(heavy=4, recent=4)
     with pytest.raises(TypeError, match="compile_kernel must be None, True or False"):
         h2o_kv.KVCache(policy, kv_dtype="int8", compile_kernel="yes")
-    assert not h2o_kv.KVCache(policy, compile_kernel=True).settings.compile_kernel  # float storage: no kernel
+    assert h2o_kv.KVCache(policy).settings.compile_kernel  # they can be built here
     monkeypatch.setattr(native, "missing", lambda: "ninja is not installed (pip install ninja)")
     with pytest.raises(RuntimeError, match="cannot be built here: ninja is not installed"):
         h2o_kv.KVCache(policy, kv_dtype="int8", compile_kernel=True)

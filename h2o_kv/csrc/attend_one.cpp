@@ -26,19 +26,28 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int V = Vec::size();
 
-// logits[j] = q . k_j for the S widened keys [S, D]: V slots at a time, one accumulator per slot (V
-// independent chains over D), then one transpose turns the V partial vectors into V dot products.
-void dots(const float* q, const float* keys, int64_t S, int64_t D, float* logits) {
+// The key or value row of the j-th slot: `index[j]` of `rows` [*, D] when an index is given, else row j.
+inline const float* row_of(const float* rows, const int64_t* index, int64_t j, int64_t D) {
+  return rows + (index ? index[j] : j) * D;
+}
+
+// logits[j] = q . k_j for S keys [*, D] (the rows `index` names, or the first S): V slots at a time, one
+// accumulator per slot (V independent chains over D), then one transpose turns the V partial vectors into
+// V dot products.
+void dots(const float* q, const float* keys, const int64_t* index, int64_t S, int64_t D, float* logits) {
   alignas(64) float partial[V * V], columns[V * V];
   int64_t s0 = 0;
   if (D % V == 0) {
     for (; s0 + V <= S; s0 += V) {
       Vec acc[V];
-      for (int j = 0; j < V; ++j) acc[j] = Vec(0.f);
-      const float* k = keys + s0 * D;
+      const float* k[V];
+      for (int j = 0; j < V; ++j) {
+        acc[j] = Vec(0.f);
+        k[j] = row_of(keys, index, s0 + j, D);
+      }
       for (int64_t d = 0; d < D; d += V) {
         const Vec qd = Vec::loadu(q + d);
-        for (int j = 0; j < V; ++j) acc[j] = at::vec::fmadd(qd, Vec::loadu(k + j * D + d), acc[j]);
+        for (int j = 0; j < V; ++j) acc[j] = at::vec::fmadd(qd, Vec::loadu(k[j] + d), acc[j]);
       }
       for (int j = 0; j < V; ++j) acc[j].store(partial + j * V);
       at::vec::transpose_mxn<float, V, V>(partial, V, columns, V);
@@ -48,20 +57,22 @@ void dots(const float* q, const float* keys, int64_t S, int64_t D, float* logits
     }
   }
   for (; s0 < S; ++s0) {  // the last S % V slots (all of them when D is not a multiple of V)
+    const float* k = row_of(keys, index, s0, D);
     float sum = 0.f;
-    for (int64_t d = 0; d < D; ++d) sum += q[d] * keys[s0 * D + d];
+    for (int64_t d = 0; d < D; ++d) sum += q[d] * k[d];
     logits[s0] = sum;
   }
 }
 
-// out += sum_s p_s * values_s over the S widened values [S, D], V lanes of the output at a time.
-void weighted_sum(const float* p, const float* values, int64_t S, int64_t D, float* out) {
+// out = sum_s p_s * values_s over S values [*, D] (the rows `index` names, or the first S), V lanes of the
+// output at a time.
+void weighted_sum(const float* p, const float* values, const int64_t* index, int64_t S, int64_t D, float* out) {
   int64_t d0 = 0;
   for (; d0 + 4 * V <= D; d0 += 4 * V) {  // four independent accumulators in registers
     Vec o0(0.f), o1(0.f), o2(0.f), o3(0.f);
     for (int64_t s = 0; s < S; ++s) {
       const Vec w(p[s]);
-      const float* v = values + s * D + d0;
+      const float* v = row_of(values, index, s, D) + d0;
       o0 = at::vec::fmadd(w, Vec::loadu(v), o0);
       o1 = at::vec::fmadd(w, Vec::loadu(v + V), o1);
       o2 = at::vec::fmadd(w, Vec::loadu(v + 2 * V), o2);
@@ -74,12 +85,13 @@ void weighted_sum(const float* p, const float* values, int64_t S, int64_t D, flo
   }
   for (; d0 < D; ++d0) {
     float sum = 0.f;
-    for (int64_t s = 0; s < S; ++s) sum += p[s] * values[s * D + d0];
+    for (int64_t s = 0; s < S; ++s) sum += p[s] * row_of(values, index, s, D)[d0];
     out[d0] = sum;
   }
 }
 
 void softmax(float* x, int64_t n) {
+  if (n == 0) return;
   const float top = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, x, n);
   at::vec::map([top](Vec a) { return (a - Vec(top)).exp(); }, x, x, n);
   const float inv = 1.f / at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, x, n);
@@ -121,7 +133,7 @@ std::vector<at::Tensor> int8_attend_one(const at::Tensor& q, const at::Tensor& k
       for (int64_t i = 0; i < S * D; ++i) wide[i] = static_cast<float>(k8[i]);
       for (int64_t g = 0; g < G; ++g) {
         float* p = probs.data() + g * S;
-        dots(qp + (r * G + g) * D, wide.data(), S, D, p);
+        dots(qp + (r * G + g) * D, wide.data(), nullptr, S, D, p);
         for (int64_t s = 0; s < S; ++s) {
           float x = p[s] * ks[s];
           if (cap > 0.f) x = std::tanh(x / cap) * cap;
@@ -131,12 +143,72 @@ std::vector<at::Tensor> int8_attend_one(const at::Tensor& q, const at::Tensor& k
       }
       for (int64_t s = 0; s < S; ++s)
         for (int64_t d = 0; d < D; ++d) wide[s * D + d] = static_cast<float>(v8[s * D + d]) * vs[s];
-      for (int64_t g = 0; g < G; ++g) weighted_sum(probs.data() + g * S, wide.data(), S, D, op + (r * G + g) * D);
+      for (int64_t g = 0; g < G; ++g) weighted_sum(probs.data() + g * S, wide.data(), nullptr, S, D, op + (r * G + g) * D);
       for (int64_t s = 0; s < S; ++s) {
         float total = 0.f;
         for (int64_t g = 0; g < G; ++g) total += probs[g * S + s];
         sp[r * S + s] = total;
         lp[r * S + s] = total / static_cast<float>(G);
+      }
+    }
+  });
+  return {out, scores, last};
+}
+
+// A head-pooled row's decode step (h2o_kv/pooled.py, AdaKV): q [B, Hq, D] float32, already scaled; keys,
+// values [B, 1, S, D] float32 shared by the KV heads, head [B, 1, S] int8 each slot's KV head, pos [B, 1, S]
+// int64 (-1: empty). Query head i belongs to KV head i / G (G = Hq / heads) and attends over that head's
+// kept slots only, so only those products are computed (the eager path computes every head x slot pair
+// and masks). Returns out [B, Hq, D], scores [B, 1, S] (each slot's probabilities summed over its own
+// head's queries; 0 on empty slots) and last [B, 1, S] (their mean).
+std::vector<at::Tensor> pooled_attend_one(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                                          const at::Tensor& head, const at::Tensor& pos, int64_t heads,
+                                          double softcap) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat
+              && head.scalar_type() == at::kChar && pos.scalar_type() == at::kLong,
+              "pooled_attend_one: float32 q, keys and values, int8 head tags, int64 pos");
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && keys.size(1) == 1 && keys.sizes() == values.sizes()
+              && keys.size(0) == q.size(0) && keys.size(3) == q.size(2) && heads > 0 && q.size(1) % heads == 0,
+              "pooled_attend_one: shapes do not match");
+  const int64_t B = keys.size(0), S = keys.size(2), D = keys.size(3), Hq = q.size(1), G = Hq / heads;
+  const at::Tensor qc = q.contiguous(), kc = keys.contiguous(), vc = values.contiguous();
+  const at::Tensor hc = head.contiguous(), pc = pos.contiguous();
+  at::Tensor out = at::zeros({B, Hq, D}, q.options());
+  at::Tensor scores = at::zeros({B, 1, S}, q.options());
+  at::Tensor last = at::zeros({B, 1, S}, q.options());
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = kc.data_ptr<float>();
+  const float* vp = vc.data_ptr<float>();
+  const int8_t* hp = hc.data_ptr<int8_t>();
+  const int64_t* pp = pc.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  float* sp = scores.data_ptr<float>();
+  float* lp = last.data_ptr<float>();
+  const float cap = static_cast<float>(softcap);
+  at::parallel_for(0, B * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> index;
+    std::vector<float> probs;
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t b = r / heads, h = r % heads;
+      index.clear();  // this head's kept slots
+      for (int64_t s = 0; s < S; ++s)
+        if (hp[b * S + s] == h && pp[b * S + s] >= 0) index.push_back(s);
+      const int64_t n = static_cast<int64_t>(index.size());
+      probs.resize(G * n);
+      const float *keys_b = kp + b * S * D, *values_b = vp + b * S * D;
+      for (int64_t g = 0; g < G; ++g) {
+        float* p = probs.data() + g * n;
+        dots(qp + (b * Hq + h * G + g) * D, keys_b, index.data(), n, D, p);
+        if (cap > 0.f)
+          for (int64_t i = 0; i < n; ++i) p[i] = std::tanh(p[i] / cap) * cap;
+        softmax(p, n);
+        weighted_sum(p, values_b, index.data(), n, D, op + (b * Hq + h * G + g) * D);
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        float total = 0.f;
+        for (int64_t g = 0; g < G; ++g) total += probs[g * n + i];
+        sp[b * S + index[i]] = total;
+        lp[b * S + index[i]] = total / static_cast<float>(G);
       }
     }
   });
@@ -149,4 +221,7 @@ TORCH_LIBRARY(h2o_kv, m) {
   m.def("int8_attend_one(Tensor q, Tensor keys, Tensor values, Tensor key_scale, Tensor value_scale, Tensor pos, "
         "float softcap) -> Tensor[]",
         &int8_attend_one);
+  m.def("pooled_attend_one(Tensor q, Tensor keys, Tensor values, Tensor head, Tensor pos, int heads, "
+        "float softcap) -> Tensor[]",
+        &pooled_attend_one);
 }

@@ -1,15 +1,18 @@
-// One decode step's attention over int8 keys and values (h2o_kv/quant.py, `attend_one_int8`).
+// h2o-kv's decode-step kernels on a CPU (built and called by h2o_kv/native.py), each doing the same
+// operations as kernel.attend_one for one query per sequence, where torch's products do more work:
 //
-// Torch has no int8 x float product on a CPU, so its eager path widens a layer's keys and values to float
-// and multiplies them with MKL: it writes and reads the 4x larger float copy. This kernel widens each
-// (sequence, KV head) row into a buffer that stays in the core's cache and does the products there, with
-// the same operations as kernel.attend_one: logits q . k_j * s_j, empty slots masked, softmax, the output
-// sum_j p_j (v_j * t_j), and each slot's probability summed (scores) and averaged (last) over the group.
+// - int8_attend_one: int8 keys and values (quant.py). Torch has no int8 x float product on a CPU, so its
+//   eager path widens a layer's keys and values to float and multiplies them with MKL: it writes and reads
+//   the 4x larger float copy. This kernel widens each (sequence, KV head) row into a buffer that stays in
+//   the core's cache and does the products there: logits q . k_j * s_j, empty slots masked, softmax, the
+//   output sum_j p_j (v_j * t_j), and each slot's probability summed (scores) and averaged (last) over the
+//   group. q [B, Hq, D] float32, already scaled; keys, values [B, H, S, D] int8; key_scale, value_scale
+//   [B, H, S] float32; pos [B, H, S] int64 (-1: an empty slot); softcap > 0 applies tanh(x / c) * c.
+// - pooled_attend_one: a head-pooled row (pooled.py, AdaKV): each query head against its own KV head's
+//   slots only, where the eager path computes every query head against the whole row and masks.
 //
-// q [B, Hq, D] float32, already scaled; keys, values [B, H, S, D] int8; key_scale, value_scale [B, H, S]
-// float32; pos [B, H, S] int64 (-1: an empty slot); softcap > 0 applies tanh(x / c) * c to the logits.
-// Returns out [B, Hq, D], scores [B, H, S], last [B, H, S]. Rows (sequence, KV head) run in parallel on
-// torch's threads (at::parallel_for).
+// Rows run in parallel on torch's threads (at::parallel_for); the vectors are torch's own (at::vec) at the
+// width native.py compiles for.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
+# the venv's tools first on PATH, as activating it would: torch's extension builder finds the venv's ninja
+# (the `dev` extra) there to build h2o-kv's C++ kernels (h2o_kv/native.py)
+WITH_VENV := PATH="$(CURDIR)/$(BIN):$$PATH"
 
 .PHONY: setup demo test lint bench eval clean
 
@@ -20,11 +23,11 @@ $(VENV)/.ready: pyproject.toml Makefile
 	touch $@
 
 demo: setup
-	$(BIN)/h2o-kv demo
+	$(WITH_VENV) $(BIN)/h2o-kv demo
 
 test: setup
 	$(BIN)/ruff check h2o_kv tests
-	$(BIN)/python -m pytest -q --durations=25
+	$(WITH_VENV) $(BIN)/python -m pytest -q --durations=25
 
 lint: setup
 	$(BIN)/ruff check h2o_kv tests

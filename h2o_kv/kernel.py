@@ -71,7 +71,7 @@ def attend(
     the group's heads [B, H, S]. Queries go in blocks so no [n x S] matrix is materialised.
     int8 keys/values come with their per-slot scales `key_scale`/`value_scale` [B, H, S] (quant.py);
     a decode step widens them into `work` when given (`widen`). With `native_kernels`, a decode step over int8
-    storage (one row per KV head; `pos` given) or over a float32 head-pooled row runs h2o-kv's C++ kernel
+    storage (one row per KV head) or over a float32 head-pooled row runs h2o-kv's C++ kernel
     instead (native.py). bfloat16/float16 on a CPU computes in
     float32 (`compute_dtype`) and returns the output in the query's dtype.
     A head-pooled layer (one storage row shared by the KV heads, pooled.py) gives each slot's KV head

@@ -383,8 +383,7 @@ class KVLayer(Rows, CacheLayerMixin):
         int8_kernel = native and self.key_scale is not None and self.head is None
         if query.shape[2] == 1 and not int8_kernel and (self.key_scale is not None or dtype != self.keys.dtype):
             work = self.settings.work(self.keys.numel() + self.values.numel(), dtype, query.device)
-        pos = None if full and not int8_kernel else self.pos  # the int8 kernel masks in its loop
-        return attend(query, self.keys, self.values, pos, positions, key_scale=self.key_scale,
+        return attend(query, self.keys, self.values, None if full else self.pos, positions, key_scale=self.key_scale,
                       value_scale=self.value_scale, work=work, native_kernels=native, **options)  # fmt: skip
 
     def nbytes(self) -> int:

@@ -71,13 +71,14 @@ def int8_attend_one(
     values: torch.Tensor,
     key_scale: torch.Tensor,
     value_scale: torch.Tensor,
-    pos: torch.Tensor,
+    pos: torch.Tensor | None,
     *,
     scaling: float,
     softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`kernel.attend_one` over int8 storage: q [B, Hq, 1, D], keys/values [B, H, S, D] int8 with their scales
-    [B, H, S], pos [B, H, S] (-1 = empty slot); the output [B, 1, Hq, D] float32, scores and last [B, H, S]."""
+    [B, H, S], pos [B, H, S] (-1 = empty slot; None: every slot holds a token, nothing masked); the output
+    [B, 1, Hq, D] float32, scores and last [B, H, S]."""
     load()
     batch, q_heads, _, dim = q.shape
     query = (q.float() * scaling).reshape(batch, q_heads, dim)

@@ -179,6 +179,11 @@ def test_int8_kernel_equals_the_eager_path(batch, heads, group, slots, dim, soft
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert float(got[1][0, -1, 1 : slots // 2].abs().max()) == 0.0  # an empty slot gets no attention
+    # pos None (every slot holds a token, as a packed layer's decode step passes): nothing masked
+    got = int8_attend_one(q, keys, values, key_scale, value_scale, None, scaling=dim**-0.5, softcap=softcap)
+    expected = attend_one(q, keys, values, None, key_scale=key_scale, value_scale=value_scale, **options)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_int8_decoding_runs_the_kernel_with_the_eager_results(arch, monkeypatch):

@@ -7,7 +7,8 @@
 //   the core's cache and does the products there: logits q . k_j * s_j, empty slots masked, softmax, the
 //   output sum_j p_j (v_j * t_j), and each slot's probability summed (scores) and averaged (last) over the
 //   group. q [B, Hq, D] float32, already scaled; keys, values [B, H, S, D] int8; key_scale, value_scale
-//   [B, H, S] float32; pos [B, H, S] int64 (-1: an empty slot); softcap > 0 applies tanh(x / c) * c.
+//   [B, H, S] float32; pos [B, H, S] int64 (-1: an empty slot), or none when every slot holds a token
+//   (nothing masked); softcap > 0 applies tanh(x / c) * c.
 // - pooled_attend_one: a head-pooled row (pooled.py, AdaKV): each query head against its own KV head's
 //   slots only, where the eager path computes every query head against the whole row and masks.
 //
@@ -103,15 +104,17 @@ void softmax(float* x, int64_t n) {
 
 std::vector<at::Tensor> int8_attend_one(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                                         const at::Tensor& key_scale, const at::Tensor& value_scale,
-                                        const at::Tensor& pos, double softcap) {
+                                        const std::optional<at::Tensor>& pos, double softcap) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kChar && values.scalar_type() == at::kChar
               && key_scale.scalar_type() == at::kFloat && value_scale.scalar_type() == at::kFloat
-              && pos.scalar_type() == at::kLong, "int8_attend_one: float32 q and scales, int8 keys/values, int64 pos");
+              && (!pos || pos->scalar_type() == at::kLong),
+              "int8_attend_one: float32 q and scales, int8 keys/values, int64 pos");
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && keys.sizes() == values.sizes() && keys.size(0) == q.size(0)
               && keys.size(3) == q.size(2) && q.size(1) % keys.size(1) == 0, "int8_attend_one: shapes do not match");
   const int64_t B = keys.size(0), H = keys.size(1), S = keys.size(2), D = keys.size(3), G = q.size(1) / H;
   const at::Tensor qc = q.contiguous(), kc = keys.contiguous(), vc = values.contiguous();
-  const at::Tensor ksc = key_scale.contiguous(), vsc = value_scale.contiguous(), pc = pos.contiguous();
+  const at::Tensor ksc = key_scale.contiguous(), vsc = value_scale.contiguous();
+  const at::Tensor pc = pos ? pos->contiguous() : at::Tensor();
   at::Tensor out = at::empty({B, G * H, D}, q.options());
   at::Tensor scores = at::empty({B, H, S}, q.options());
   at::Tensor last = at::empty({B, H, S}, q.options());
@@ -120,7 +123,7 @@ std::vector<at::Tensor> int8_attend_one(const at::Tensor& q, const at::Tensor& k
   const int8_t* vp = vc.data_ptr<int8_t>();
   const float* ksp = ksc.data_ptr<float>();
   const float* vsp = vsc.data_ptr<float>();
-  const int64_t* pp = pc.data_ptr<int64_t>();
+  const int64_t* pp = pos ? pc.data_ptr<int64_t>() : nullptr;
   float* op = out.data_ptr<float>();
   float* sp = scores.data_ptr<float>();
   float* lp = last.data_ptr<float>();
@@ -132,7 +135,7 @@ std::vector<at::Tensor> int8_attend_one(const at::Tensor& q, const at::Tensor& k
       const int8_t* k8 = kp + r * S * D;
       const int8_t* v8 = vp + r * S * D;
       const float *ks = ksp + r * S, *vs = vsp + r * S;
-      const int64_t* slot_pos = pp + r * S;
+      const int64_t* slot_pos = pp ? pp + r * S : nullptr;
       for (int64_t i = 0; i < S * D; ++i) wide[i] = static_cast<float>(k8[i]);
       for (int64_t g = 0; g < G; ++g) {
         float* p = probs.data() + g * S;
@@ -140,7 +143,7 @@ std::vector<at::Tensor> int8_attend_one(const at::Tensor& q, const at::Tensor& k
         for (int64_t s = 0; s < S; ++s) {
           float x = p[s] * ks[s];
           if (cap > 0.f) x = std::tanh(x / cap) * cap;
-          p[s] = slot_pos[s] < 0 ? hidden : x;
+          p[s] = slot_pos && slot_pos[s] < 0 ? hidden : x;
         }
         softmax(p, S);
       }
@@ -221,7 +224,7 @@ std::vector<at::Tensor> pooled_attend_one(const at::Tensor& q, const at::Tensor&
 }  // namespace
 
 TORCH_LIBRARY(h2o_kv, m) {
-  m.def("int8_attend_one(Tensor q, Tensor keys, Tensor values, Tensor key_scale, Tensor value_scale, Tensor pos, "
+  m.def("int8_attend_one(Tensor q, Tensor keys, Tensor values, Tensor key_scale, Tensor value_scale, Tensor? pos, "
         "float softcap) -> Tensor[]",
         &int8_attend_one);
   m.def("pooled_attend_one(Tensor q, Tensor keys, Tensor values, Tensor head, Tensor pos, int heads, "

@@ -56,7 +56,7 @@ class KVCache(Cache):
             if value is not None and not 0 < value <= MAX_TOKENS:
                 raise ValueError(f"{name} must be a positive int (at most {MAX_TOKENS}), got {value!r}")
         check_kv_dtype(kv_dtype)
-        kernels = use_kernels(compile_kernel)
+        kernels = native.resolve(compile_kernel)
         self.settings = Settings(policy, mode, prefill_chunk, prompt_len, kv_dtype=kv_dtype, compile_kernel=kernels)
         super().__init__(layer_class_to_replicate=self._new_layer)
 
@@ -178,17 +178,3 @@ def check_continues(layer: KVLayer, keys: torch.Tensor, values: torch.Tensor) ->
             "several calls (e.g. generate(..., prefill_chunk_size=...)) and the first one already fixed it: "
             "pass KVCache(..., prompt_len=<prompt tokens>), use token budgets, or KVCache(prefill_chunk=...)"
         )
-
-
-def use_kernels(compile_kernel: bool | None) -> bool:
-    """Whether decode steps use h2o-kv's C++ kernels (native.py): None where they can be built, True always
-    (an error where they cannot), False never. They are built (once per machine) or loaded at the first
-    decode step on a CPU that needs one, so a cache on a GPU, or a float32 uniform one, never builds them."""
-    if compile_kernel is not None and not isinstance(compile_kernel, bool):
-        raise TypeError(f"compile_kernel must be None, True or False, got {compile_kernel!r}")
-    if compile_kernel is False:
-        return False
-    reason = native.missing()
-    if reason is not None and compile_kernel:
-        raise RuntimeError(f"compile_kernel=True, but h2o-kv's C++ kernels cannot be built here: {reason}")
-    return reason is None

@@ -8,7 +8,7 @@ import textwrap
 import time
 from collections.abc import Sequence
 
-from . import policies
+from . import policies, rows_first
 from .engine import Engine
 from .generation import Sampling, encode
 
@@ -120,7 +120,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     policy_from_args(args)  # reject bad flags, the device and the model before loading anything
     check_device(args.device)
     check_model(args.model)
-    model, tokenizer = load_model(args.model, device=args.device, tp_plan=default_tp_plan())  # TP under torchrun
+    model, tokenizer = load_model(  # tensor parallel under torchrun
+        args.model, device=args.device, tp_plan=default_tp_plan(), rows_first=args.rows_first
+    )
     policy = policy_from_args(args)
     if args.sample:
         shared_seed()  # under torchrun every process must draw the same tokens
@@ -297,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     gen.add_argument("--temperature", type=_float_in(0.0, 100.0), default=0.7)
     gen.add_argument("--no-chat", dest="chat", action="store_false", help="do not apply the chat template")
+    gen.add_argument("--rows-first", action="store_true", help=rows_first.CLI_HELP)
     _add_policy_flags(gen)
     gen.set_defaults(func=cmd_generate)
 

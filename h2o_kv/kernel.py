@@ -25,6 +25,12 @@ def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" and dtype in EMULATED and not native_products(dtype) else dtype
 
 
+def native_rows(keys: torch.Tensor, compute: torch.dtype) -> bool:
+    """Whether `native.attend_one` reads this storage for a decode step computed in `compute`: int8, or
+    float32 products over float32 storage (bfloat16 keeps the eager path)."""
+    return keys.dtype == torch.int8 or keys.dtype == compute == torch.float32
+
+
 @functools.cache
 def native_products(dtype: torch.dtype) -> bool:
     """Whether this CPU multiplies `dtype` in hardware: bfloat16 with AVX-512 BF16 or AMX, float16 with AMX-FP16."""
@@ -71,8 +77,8 @@ def attend(
     the group's heads [B, H, S]. Queries go in blocks so no [n x S] matrix is materialised.
     int8 keys/values come with their per-slot scales `key_scale`/`value_scale` [B, H, S] (quant.py);
     a decode step widens them into `work` when given (`widen`). With `native_kernels`, a decode step over int8
-    storage (one row per KV head) or over a float32 head-pooled row runs h2o-kv's C++ kernel
-    instead (native.py). bfloat16/float16 on a CPU computes in
+    or float32 storage (`native_rows`: one row per KV head) or over a float32 head-pooled row runs h2o-kv's
+    C++ kernel instead (native.py). bfloat16/float16 on a CPU computes in
     float32 (`compute_dtype`) and returns the output in the query's dtype.
     A head-pooled layer (one storage row shared by the KV heads, pooled.py) gives each slot's KV head
     `slot_head` [B, 1, S] and each query head's KV head `query_head` [H, G] (h for row h): a query sees only its own
@@ -82,9 +88,9 @@ def attend(
     q = q.to(compute_dtype(dtype, q.device))
     batch, q_heads, n, dim = q.shape
     if n == 1 and window is None and not has_padding:
-        if native_kernels and key_scale is not None and slot_head is None:
-            out, scores, last = native.int8_attend_one(q, keys, values, key_scale, value_scale, pos, scaling=scaling,
-                                                       softcap=softcap)  # fmt: skip
+        if native_kernels and slot_head is None and native_rows(keys, q.dtype):
+            out, scores, last = native.attend_one(q, keys, values, pos, scaling=scaling, softcap=softcap,
+                                                  key_scale=key_scale, value_scale=value_scale)  # fmt: skip
             return out.to(dtype), scores if want_scores else None, last if want_last else None
         if native_kernels and slot_head is not None and key_scale is None and keys.dtype == q.dtype == torch.float32:
             out, scores, last = native.pooled_attend_one(q, keys, values, slot_head, pos, query_head.shape[0],

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .kernel import attend, compute_dtype
+from .kernel import attend, compute_dtype, native_rows
 from .policies import SlotState
 from .quant import quantize
 from .rows import GROWTH, Rows
@@ -380,8 +380,8 @@ class KVLayer(Rows, CacheLayerMixin):
         work = None  # decoding from int8 (or bfloat16 on a CPU): widened into the cache's buffer, not a fresh tensor
         dtype = compute_dtype(query.dtype, query.device)
         native = self.settings.compile_kernel and query.device.type == "cpu"  # h2o-kv's C++ kernels (native.py)
-        int8_kernel = native and self.key_scale is not None and self.head is None
-        if query.shape[2] == 1 and not int8_kernel and (self.key_scale is not None or dtype != self.keys.dtype):
+        reads_storage = native and self.head is None and native_rows(self.keys, dtype)  # no float copy to make
+        if query.shape[2] == 1 and not reads_storage and (self.key_scale is not None or dtype != self.keys.dtype):
             work = self.settings.work(self.keys.numel() + self.values.numel(), dtype, query.device)
         return attend(query, self.keys, self.values, None if full else self.pos, positions, key_scale=self.key_scale,
                       value_scale=self.value_scale, work=work, native_kernels=native, **options)  # fmt: skip

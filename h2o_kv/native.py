@@ -1,18 +1,22 @@
-"""h2o-kv's C++ kernels (`csrc/attend_one.cpp`): a decode step's attention on a CPU where torch's products
-do more work than needed.
+"""h2o-kv's C++ kernels (`csrc/`): the parts of a decode step on a CPU where torch's products do more work,
+or read memory slower, than needed.
 
-- `int8_attend_one`: over int8 keys and values (quant.py). Torch has no int8 x float product on a CPU; the
-  eager path widens a layer's storage to float and multiplies with MKL, this kernel widens one (sequence,
-  KV head) row at a time inside the core's cache.
+- `attend_one`: a decode step's attention over float32 or int8 keys and values (quant.py), one (sequence,
+  KV head) row at a time inside the core's cache, in one pass (the eager path runs several small batched
+  products over the layer). Torch has no int8 x float product on a CPU; the eager path widens a layer's
+  int8 storage to float and multiplies with MKL, this kernel widens one row at a time.
 - `pooled_attend_one`: over a head-pooled row (pooled.py, AdaKV). The eager path computes every query
   head against every slot of the row and masks the other heads' slots (3x the products of a uniform
   layer on SmolLM2); this kernel computes each query head against its own head's slots only.
+- `rows_linear` (`csrc/rows_linear.cpp`): a linear layer for the few rows of a decode step (rows_first.py).
+  MKL's products at 4 rows read the weights at about half the memory's speed; this kernel streams each
+  weight row once.
 
 They are built at the first decode step that needs them on a CPU, with torch's extension builder (ninja
 and a C++ compiler; about 15 s once per machine, then loaded from torch's extension cache,
 `TORCH_EXTENSIONS_DIR`), for this machine's vector width (torch's `get_cpu_capability`: AVX-512 or AVX2),
-and registered as `torch.ops.h2o_kv.*`. `KVCache` uses them where they can be built (`missing()`);
-`compile_kernel=False` keeps the eager path, `compile_kernel=True` requires them.
+and registered as `torch.ops.h2o_kv.*`. `KVCache` and `use_rows_first` take `compile_kernel` (`resolve`):
+None uses them where they can be built (`missing()`), False keeps torch's path, True requires them.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).parent / "csrc" / "attend_one.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("attend_one.cpp", "rows_linear.cpp")]
 _lock = threading.Lock()
 _loaded = False
 
@@ -43,6 +47,20 @@ def missing() -> str | None:
     return None
 
 
+def resolve(compile_kernel: bool | None) -> bool:
+    """Whether to use the kernels: None where they can be built, True always (an error where they cannot),
+    False never. Callers build or load them (`load`) only when a CPU step first needs one, so a cache on a
+    GPU, or a float32 uniform one, never builds them."""
+    if compile_kernel is not None and not isinstance(compile_kernel, bool):
+        raise TypeError(f"compile_kernel must be None, True or False, got {compile_kernel!r}")
+    if compile_kernel is False:
+        return False
+    reason = missing()
+    if reason is not None and compile_kernel:
+        raise RuntimeError(f"compile_kernel=True, but h2o-kv's C++ kernels cannot be built here: {reason}")
+    return reason is None
+
+
 def load() -> None:
     """Build (once per machine) and load (once per process) the kernel; build errors are raised as they come."""
     global _loaded
@@ -52,7 +70,8 @@ def load() -> None:
         if not _loaded:
             from torch.utils.cpp_extension import load as build
 
-            build(name="h2o_kv_kernels", sources=[str(SOURCE)], extra_cflags=flags(), is_python_module=False)
+            sources = [str(path) for path in SOURCES]
+            build(name="h2o_kv_kernels", sources=sources, extra_cflags=flags(), is_python_module=False)
             _loaded = True
 
 
@@ -65,25 +84,25 @@ def flags() -> list[str]:
     return options
 
 
-def int8_attend_one(
+def attend_one(
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    key_scale: torch.Tensor,
-    value_scale: torch.Tensor,
     pos: torch.Tensor | None,
     *,
     scaling: float,
     softcap: float | None = None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`kernel.attend_one` over int8 storage: q [B, Hq, 1, D], keys/values [B, H, S, D] int8 with their scales
-    [B, H, S], pos [B, H, S] (-1 = empty slot; None: every slot holds a token, nothing masked); the output
-    [B, 1, Hq, D] float32, scores and last [B, H, S]."""
+    """`kernel.attend_one` in one pass per (sequence, KV head): q [B, Hq, 1, D] float32, keys/values
+    [B, H, S, D] float32, or int8 with their scales [B, H, S] (quant.py), pos [B, H, S] (-1 = empty slot;
+    None: every slot holds a token, nothing masked); the output [B, 1, Hq, D] float32, scores and last [B, H, S]."""
     load()
     batch, q_heads, _, dim = q.shape
     query = (q.float() * scaling).reshape(batch, q_heads, dim)
     cap = 0.0 if softcap is None else softcap
-    out, scores, last = torch.ops.h2o_kv.int8_attend_one(query, keys, values, key_scale, value_scale, pos, cap)
+    out, scores, last = torch.ops.h2o_kv.attend_one(query, keys, values, key_scale, value_scale, pos, cap)
     return out.view(batch, 1, q_heads, dim), scores, last
 
 
@@ -107,3 +126,10 @@ def pooled_attend_one(
     cap = 0.0 if softcap is None else softcap
     out, scores, last = torch.ops.h2o_kv.pooled_attend_one(query, keys, values, slot_head, pos, heads, cap)
     return out.view(batch, 1, q_heads, dim), scores, last
+
+
+def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [R, K] @ weight[N, K]^T (+ bias [N]) for a few rows, all float32 or all bfloat16: [R, N] in that dtype,
+    summed in float32 in the same order whatever the other rows (`csrc/rows_linear.cpp`)."""
+    load()
+    return torch.ops.h2o_kv.rows_linear(x, weight, bias)

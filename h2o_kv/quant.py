@@ -5,7 +5,7 @@ in its slot, so freeing, reusing or compacting slots moves it with the token. Th
 new tokens on insert; the kernel applies the scales around its matmuls (q . k_j = s_j (q . k8_j),
 sum_j p_j s_j v8_j = (p * s) @ v8), so no dequantized copy of the storage is kept.
 
-Torch has no int8 x float product on CPU. A decode step on a CPU therefore runs `native.int8_attend_one`,
+Torch has no int8 x float product on CPU. A decode step on a CPU therefore runs `native.attend_one`,
 h2o-kv's C++ kernel (csrc/attend_one.cpp, built at first use: native.py), which widens each (sequence,
 KV head) row inside the core's cache, so the step reads the 4x fewer bytes and writes no float copy
 (`results/bench-static/probes/int8_kernel.txt`). Where it cannot be built, or with

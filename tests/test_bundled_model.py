@@ -83,7 +83,9 @@ def test_rows_first_load_decodes_the_same_tokens(smollm):
 
     model, tokenizer = smollm
     swapped, _ = h2o_kv.load_model("smollm2-135m", rows_first=True)
-    assert sum(type(m) is RowsFirstLinear for m in swapped.modules()) == 7 * swapped.config.num_hidden_layers
+    assert (
+        sum(type(m) is RowsFirstLinear for m in swapped.modules()) == 7 * swapped.config.num_hidden_layers + 1
+    )  # + head
     ids = torch.stack([tokenizer(text, return_tensors="pt").input_ids[0, :40] for text in (PROMPT, PROMPT[::-1])])
     runs = []
     with torch.no_grad():

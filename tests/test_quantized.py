@@ -153,52 +153,69 @@ def test_int8_decoding_widens_into_one_reused_buffer():
     assert torch.equal(out, fresh_out) and torch.equal(scores, fresh_scores)
 
 
+@pytest.mark.parametrize("storage", ["int8", "float32"])
 @pytest.mark.parametrize("softcap", [None, 5.0])
 @pytest.mark.parametrize(
     "batch,heads,group,slots,dim",
     [(2, 2, 3, 37, 16), (3, 1, 1, 64, 64), (1, 3, 2, 5, 24), (2, 2, 4, 129, 8)],
     ids=["gqa", "mha", "tail_dim", "odd_slots"],
 )
-def test_int8_kernel_equals_the_eager_path(batch, heads, group, slots, dim, softcap):
-    """h2o-kv's C++ kernel (native.int8_attend_one) gives attend_one's output, scores and last-query attention
-    over the same int8 storage and empty slots, for slot counts and head sizes off the vector width."""
+def test_kernel_equals_the_eager_path(batch, heads, group, slots, dim, softcap, storage):
+    """h2o-kv's C++ kernel (native.attend_one) gives attend_one's output, scores and last-query attention
+    over the same int8 (with scales) or float32 storage and empty slots, for slot counts and head sizes off
+    the vector width."""
+    from h2o_kv import native
     from h2o_kv.kernel import attend_one
-    from h2o_kv.native import int8_attend_one
 
     torch.manual_seed(slots)
     q = torch.randn(batch, heads * group, 1, dim)
-    (keys, key_scale), (values, value_scale) = (
-        quantize(torch.randn(batch, heads, slots, dim) * 3),
-        quantize(torch.randn(batch, heads, slots, dim)),
-    )
+    keys, values = torch.randn(batch, heads, slots, dim) * 3, torch.randn(batch, heads, slots, dim)
+    scales = {}
+    if storage == "int8":
+        (keys, key_scale), (values, value_scale) = quantize(keys), quantize(values)
+        scales = dict(key_scale=key_scale, value_scale=value_scale)
     pos = torch.arange(slots).repeat(batch, heads, 1)
     pos[0, -1, 1 : slots // 2] = -1
     options = dict(scaling=dim**-0.5, softcap=softcap, want_scores=True, want_last=True)
-    got = int8_attend_one(q, keys, values, key_scale, value_scale, pos, scaling=dim**-0.5, softcap=softcap)
-    expected = attend_one(q, keys, values, pos, key_scale=key_scale, value_scale=value_scale, **options)
+    got = native.attend_one(q, keys, values, pos, scaling=dim**-0.5, softcap=softcap, **scales)
+    expected = attend_one(q, keys, values, pos, **scales, **options)
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert float(got[1][0, -1, 1 : slots // 2].abs().max()) == 0.0  # an empty slot gets no attention
     # pos None (every slot holds a token, as a packed layer's decode step passes): nothing masked
-    got = int8_attend_one(q, keys, values, key_scale, value_scale, None, scaling=dim**-0.5, softcap=softcap)
-    expected = attend_one(q, keys, values, None, key_scale=key_scale, value_scale=value_scale, **options)
+    got = native.attend_one(q, keys, values, None, scaling=dim**-0.5, softcap=softcap, **scales)
+    expected = attend_one(q, keys, values, None, **scales, **options)
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_int8_decoding_runs_the_kernel_with_the_eager_results(arch, monkeypatch):
-    """Where the kernel can be built (here), an int8 cache decodes through it (counted), and its logits and
-    kept tokens are those of the eager path (compile_kernel=False)."""
+def test_kernel_refuses_storage_without_its_scales():
+    from h2o_kv import native
+
+    q, keys = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 5, 8)
+    (k8, scale) = quantize(keys)
+    with pytest.raises(RuntimeError, match="int8 keys/values come with float32 scales"):
+        native.attend_one(q, k8, k8, None, scaling=1.0)
+    with pytest.raises(RuntimeError, match="int8 keys/values come with float32 scales"):
+        native.attend_one(q, keys, keys, None, scaling=1.0, key_scale=scale, value_scale=scale)
+    with pytest.raises(RuntimeError, match="int8 or float32 keys/values"):
+        native.attend_one(q, keys.double(), keys.double(), None, scaling=1.0)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", None], ids=["int8", "float32"])
+def test_decoding_runs_the_kernel_with_the_eager_results(arch, monkeypatch, kv_dtype):
+    """Where the kernel can be built (here), an int8 or float32 cache decodes through it (counted), and its
+    logits and kept tokens are those of the eager path (compile_kernel=False)."""
     from h2o_kv import native
 
     calls = []
-    native_attend = native.int8_attend_one
-    monkeypatch.setattr(native, "int8_attend_one", lambda *a, **k: calls.append(1) or native_attend(*a, **k))
+    native_attend = native.attend_one
+    monkeypatch.setattr(native, "attend_one", lambda *a, **k: calls.append(1) or native_attend(*a, **k))
     model, ids = make_model(arch), random_ids(2, 40)
     policy = h2o_kv.H2O(heavy=8, recent=8)
     eager, cache = (
-        h2o_kv.KVCache(policy, kv_dtype="int8", compile_kernel=False),
-        h2o_kv.KVCache(policy, kv_dtype="int8"),
+        h2o_kv.KVCache(policy, kv_dtype=kv_dtype, compile_kernel=False),
+        h2o_kv.KVCache(policy, kv_dtype=kv_dtype),
     )
     assert cache.settings.compile_kernel and not eager.settings.compile_kernel
     expected = decode(model, ids, eager, prefill=20)

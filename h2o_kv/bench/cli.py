@@ -13,6 +13,7 @@ import torch
 
 from h2o_kv.policies import parse_budget
 from h2o_kv.report import missing_extra
+from h2o_kv.rows_first import CLI_HELP as ROWS_FIRST_HELP
 
 from .config import EXTRA_POLICIES, POLICIES, SIZES
 from .soak import add_soak_arguments
@@ -89,8 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--rows-first",
         action="store_true",
-        help="compute the model's linear layers weight-first at small batch on CPU (a faster step for every "
-        "cache, stock ones included; h2o_kv.rows_first)",
+        help=ROWS_FIRST_HELP + " (the stock caches' model too)",
     )
     add(
         "--interleave",

@@ -1,14 +1,11 @@
 // h2o-kv's decode-step kernels on a CPU (built and called by h2o_kv/native.py), each doing the same
 // operations as kernel.attend_one for one query per sequence, where torch's products do more work:
 //
-// - int8_attend_one: int8 keys and values (quant.py). Torch has no int8 x float product on a CPU, so its
-//   eager path widens a layer's keys and values to float and multiplies them with MKL: it writes and reads
-//   the 4x larger float copy. This kernel widens each (sequence, KV head) row into a buffer that stays in
-//   the core's cache and does the products there: logits q . k_j * s_j, empty slots masked, softmax, the
-//   output sum_j p_j (v_j * t_j), and each slot's probability summed (scores) and averaged (last) over the
-//   group. q [B, Hq, D] float32, already scaled; keys, values [B, H, S, D] int8; key_scale, value_scale
-//   [B, H, S] float32; pos [B, H, S] int64 (-1: an empty slot), or none when every slot holds a token
-//   (nothing masked); softcap > 0 applies tanh(x / c) * c.
+// - attend_one: one row per (sequence, KV head), its G query heads' logits, mask, softmax, output and
+//   scores in one pass while the row is in the core's cache (torch's eager path runs a handful of small
+//   batched products and reductions over the layer, each reading it again). Over int8 keys and values
+//   (quant.py) it widens each row into a buffer there: torch has no int8 x float product on a CPU, so the
+//   eager path writes and reads a 4x larger float copy of the layer. Float32 rows are read in place.
 // - pooled_attend_one: a head-pooled row (pooled.py, AdaKV): each query head against its own KV head's
 //   slots only, where the eager path computes every query head against the whole row and masks.
 //
@@ -23,6 +20,7 @@
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -102,54 +100,48 @@ void softmax(float* x, int64_t n) {
   at::vec::map([inv](Vec a) { return a * Vec(inv); }, x, x, n);
 }
 
-std::vector<at::Tensor> int8_attend_one(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                                        const at::Tensor& key_scale, const at::Tensor& value_scale,
-                                        const std::optional<at::Tensor>& pos, double softcap) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kChar && values.scalar_type() == at::kChar
-              && key_scale.scalar_type() == at::kFloat && value_scale.scalar_type() == at::kFloat
-              && (!pos || pos->scalar_type() == at::kLong),
-              "int8_attend_one: float32 q and scales, int8 keys/values, int64 pos");
-  TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && keys.sizes() == values.sizes() && keys.size(0) == q.size(0)
-              && keys.size(3) == q.size(2) && q.size(1) % keys.size(1) == 0, "int8_attend_one: shapes do not match");
-  const int64_t B = keys.size(0), H = keys.size(1), S = keys.size(2), D = keys.size(3), G = q.size(1) / H;
-  const at::Tensor qc = q.contiguous(), kc = keys.contiguous(), vc = values.contiguous();
-  const at::Tensor ksc = key_scale.contiguous(), vsc = value_scale.contiguous();
-  const at::Tensor pc = pos ? pos->contiguous() : at::Tensor();
-  at::Tensor out = at::empty({B, G * H, D}, q.options());
-  at::Tensor scores = at::empty({B, H, S}, q.options());
-  at::Tensor last = at::empty({B, H, S}, q.options());
-  const float* qp = qc.data_ptr<float>();
-  const int8_t* kp = kc.data_ptr<int8_t>();
-  const int8_t* vp = vc.data_ptr<int8_t>();
-  const float* ksp = ksc.data_ptr<float>();
-  const float* vsp = vsc.data_ptr<float>();
-  const int64_t* pp = pos ? pc.data_ptr<int64_t>() : nullptr;
-  float* op = out.data_ptr<float>();
-  float* sp = scores.data_ptr<float>();
-  float* lp = last.data_ptr<float>();
-  const float cap = static_cast<float>(softcap);
+// One (sequence, KV head) row per task: the G query heads' logits, softmax, output, and the slots' summed
+// (scores) and averaged (last) probabilities. KV is int8 (widened into `wide` with its scales, keys first,
+// then values) or float32 (read in place, no scales).
+template <typename KV>
+void attend_rows(const float* qp, const KV* kp, const KV* vp, const float* ksp, const float* vsp, const int64_t* pp,
+                 int64_t B, int64_t H, int64_t S, int64_t D, int64_t G, float cap, float* op, float* sp, float* lp) {
+  constexpr bool widen = std::is_same_v<KV, int8_t>;
   const float hidden = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> probs(G * S), wide(S * D);  // one row's probabilities and widened keys, then values
+    std::vector<float> probs(G * S), wide(widen ? S * D : 0);  // one row's probabilities (and widened int8)
     for (int64_t r = begin; r < end; ++r) {
-      const int8_t* k8 = kp + r * S * D;
-      const int8_t* v8 = vp + r * S * D;
-      const float *ks = ksp + r * S, *vs = vsp + r * S;
+      const KV* k_row = kp + r * S * D;
+      const KV* v_row = vp + r * S * D;
+      const float* keys = nullptr;
+      if constexpr (widen) {
+        for (int64_t i = 0; i < S * D; ++i) wide[i] = static_cast<float>(k_row[i]);
+        keys = wide.data();
+      } else {
+        keys = k_row;
+      }
+      const float* ks = widen ? ksp + r * S : nullptr;
       const int64_t* slot_pos = pp ? pp + r * S : nullptr;
-      for (int64_t i = 0; i < S * D; ++i) wide[i] = static_cast<float>(k8[i]);
       for (int64_t g = 0; g < G; ++g) {
         float* p = probs.data() + g * S;
-        dots(qp + (r * G + g) * D, wide.data(), nullptr, S, D, p);
+        dots(qp + (r * G + g) * D, keys, nullptr, S, D, p);
         for (int64_t s = 0; s < S; ++s) {
-          float x = p[s] * ks[s];
+          float x = ks ? p[s] * ks[s] : p[s];
           if (cap > 0.f) x = std::tanh(x / cap) * cap;
           p[s] = slot_pos && slot_pos[s] < 0 ? hidden : x;
         }
         softmax(p, S);
       }
-      for (int64_t s = 0; s < S; ++s)
-        for (int64_t d = 0; d < D; ++d) wide[s * D + d] = static_cast<float>(v8[s * D + d]) * vs[s];
-      for (int64_t g = 0; g < G; ++g) weighted_sum(probs.data() + g * S, wide.data(), nullptr, S, D, op + (r * G + g) * D);
+      const float* values = nullptr;
+      if constexpr (widen) {
+        const float* vs = vsp + r * S;
+        for (int64_t s = 0; s < S; ++s)
+          for (int64_t d = 0; d < D; ++d) wide[s * D + d] = static_cast<float>(v_row[s * D + d]) * vs[s];
+        values = wide.data();
+      } else {
+        values = v_row;
+      }
+      for (int64_t g = 0; g < G; ++g) weighted_sum(probs.data() + g * S, values, nullptr, S, D, op + (r * G + g) * D);
       for (int64_t s = 0; s < S; ++s) {
         float total = 0.f;
         for (int64_t g = 0; g < G; ++g) total += probs[g * S + s];
@@ -158,6 +150,43 @@ std::vector<at::Tensor> int8_attend_one(const at::Tensor& q, const at::Tensor& k
       }
     }
   });
+}
+
+// A decode step (one query per sequence) over rows of KV heads: q [B, Hq, D] float32, already scaled; keys,
+// values [B, H, S, D], int8 with their key_scale, value_scale [B, H, S] float32, or float32 without scales;
+// pos [B, H, S] int64 (-1: an empty slot), or none when every slot holds a token (nothing masked); softcap > 0
+// applies tanh(x / c) * c. Returns out [B, Hq, D], scores and last [B, H, S].
+std::vector<at::Tensor> attend_one(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                                   const std::optional<at::Tensor>& key_scale,
+                                   const std::optional<at::Tensor>& value_scale, const std::optional<at::Tensor>& pos,
+                                   double softcap) {
+  const bool int8 = keys.scalar_type() == at::kChar;
+  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == values.scalar_type()
+              && (int8 || keys.scalar_type() == at::kFloat) && (!pos || pos->scalar_type() == at::kLong),
+              "attend_one: float32 q, int8 or float32 keys/values, int64 pos");
+  TORCH_CHECK(int8 == (key_scale.has_value() && value_scale.has_value())
+              && (!int8 || (key_scale->scalar_type() == at::kFloat && value_scale->scalar_type() == at::kFloat)),
+              "attend_one: int8 keys/values come with float32 scales, float32 ones without");
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && keys.sizes() == values.sizes() && keys.size(0) == q.size(0)
+              && keys.size(3) == q.size(2) && q.size(1) % keys.size(1) == 0, "attend_one: shapes do not match");
+  const int64_t B = keys.size(0), H = keys.size(1), S = keys.size(2), D = keys.size(3), G = q.size(1) / H;
+  const at::Tensor qc = q.contiguous(), kc = keys.contiguous(), vc = values.contiguous();
+  const at::Tensor ksc = int8 ? key_scale->contiguous() : at::Tensor();
+  const at::Tensor vsc = int8 ? value_scale->contiguous() : at::Tensor();
+  const at::Tensor pc = pos ? pos->contiguous() : at::Tensor();
+  at::Tensor out = at::empty({B, G * H, D}, q.options());
+  at::Tensor scores = at::empty({B, H, S}, q.options());
+  at::Tensor last = at::empty({B, H, S}, q.options());
+  const int64_t* pp = pos ? pc.data_ptr<int64_t>() : nullptr;
+  const float cap = static_cast<float>(softcap);
+  if (int8) {
+    attend_rows<int8_t>(qc.data_ptr<float>(), kc.data_ptr<int8_t>(), vc.data_ptr<int8_t>(), ksc.data_ptr<float>(),
+                        vsc.data_ptr<float>(), pp, B, H, S, D, G, cap, out.data_ptr<float>(), scores.data_ptr<float>(),
+                        last.data_ptr<float>());
+  } else {
+    attend_rows<float>(qc.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), nullptr, nullptr, pp, B, H,
+                       S, D, G, cap, out.data_ptr<float>(), scores.data_ptr<float>(), last.data_ptr<float>());
+  }
   return {out, scores, last};
 }
 
@@ -224,9 +253,9 @@ std::vector<at::Tensor> pooled_attend_one(const at::Tensor& q, const at::Tensor&
 }  // namespace
 
 TORCH_LIBRARY(h2o_kv, m) {
-  m.def("int8_attend_one(Tensor q, Tensor keys, Tensor values, Tensor key_scale, Tensor value_scale, Tensor? pos, "
+  m.def("attend_one(Tensor q, Tensor keys, Tensor values, Tensor? key_scale, Tensor? value_scale, Tensor? pos, "
         "float softcap) -> Tensor[]",
-        &int8_attend_one);
+        &attend_one);
   m.def("pooled_attend_one(Tensor q, Tensor keys, Tensor values, Tensor head, Tensor pos, int heads, "
         "float softcap) -> Tensor[]",
         &pooled_attend_one);

@@ -10,7 +10,7 @@ import argparse
 import re
 from pathlib import Path
 
-from .. import policies
+from .. import policies, rows_first
 from ..quant import KV_DTYPES
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -113,7 +113,7 @@ def add_parser(sub) -> None:
     serve.add_argument(
         "--rows-first",
         action="store_true",
-        help="compute the linear layers weight-first at up to 16 rows on CPU (faster decoding; h2o_kv.rows_first)",
+        help=rows_first.CLI_HELP,
     )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)

@@ -4,7 +4,7 @@ or read memory slower, than needed.
 - `attend_one`: a decode step's attention over float32 or int8 keys and values (quant.py), one (sequence,
   KV head) row at a time inside the core's cache, in one pass (the eager path runs several small batched
   products over the layer). Torch has no int8 x float product on a CPU; the eager path widens a layer's
-  int8 storage to float and multiplies with MKL, this kernel widens one row at a time.
+  int8 storage to float and multiplies with MKL, this kernel widens int8 in registers as it reads it.
 - `pooled_attend_one`: over a head-pooled row (pooled.py, AdaKV). The eager path computes every query
   head against every slot of the row and masks the other heads' slots (3x the products of a uniform
   layer on SmolLM2); this kernel computes each query head against its own head's slots only.

@@ -3,9 +3,9 @@
 //
 // - attend_one: one row per (sequence, KV head), its G query heads' logits, mask, softmax, output and
 //   scores in one pass while the row is in the core's cache (torch's eager path runs a handful of small
-//   batched products and reductions over the layer, each reading it again). Over int8 keys and values
-//   (quant.py) it widens each row into a buffer there: torch has no int8 x float product on a CPU, so the
-//   eager path writes and reads a 4x larger float copy of the layer. Float32 rows are read in place.
+//   batched products and reductions over the layer, each reading it again). Int8 keys and values (quant.py)
+//   are widened in registers as they are read: torch has no int8 x float product on a CPU, so the eager
+//   path writes and reads a 4x larger float copy of the layer.
 // - pooled_attend_one: a head-pooled row (pooled.py, AdaKV): each query head against its own KV head's
 //   slots only, where the eager path computes every query head against the whole row and masks.
 //
@@ -20,7 +20,6 @@
 
 #include <cmath>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 namespace {
@@ -29,27 +28,43 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int V = Vec::size();
 
 // The key or value row of the j-th slot: `index[j]` of `rows` [*, D] when an index is given, else row j.
-inline const float* row_of(const float* rows, const int64_t* index, int64_t j, int64_t D) {
+template <typename T>
+inline const T* row_of(const T* rows, const int64_t* index, int64_t j, int64_t D) {
   return rows + (index ? index[j] : j) * D;
+}
+
+// V lanes as float32: float32 as they are, int8 widened in registers (exact).
+inline Vec load_float(const float* p) { return Vec::loadu(p); }
+inline Vec load_float(const int8_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
+  alignas(64) float wide[V];
+  for (int i = 0; i < V; ++i) wide[i] = static_cast<float>(p[i]);
+  return Vec::loadu(wide);
+#endif
 }
 
 // logits[j] = q . k_j for S keys [*, D] (the rows `index` names, or the first S): V slots at a time, one
 // accumulator per slot (V independent chains over D), then one transpose turns the V partial vectors into
 // V dot products.
-void dots(const float* q, const float* keys, const int64_t* index, int64_t S, int64_t D, float* logits) {
+template <typename T>
+void dots(const float* q, const T* keys, const int64_t* index, int64_t S, int64_t D, float* logits) {
   alignas(64) float partial[V * V], columns[V * V];
   int64_t s0 = 0;
   if (D % V == 0) {
     for (; s0 + V <= S; s0 += V) {
       Vec acc[V];
-      const float* k[V];
+      const T* k[V];
       for (int j = 0; j < V; ++j) {
         acc[j] = Vec(0.f);
         k[j] = row_of(keys, index, s0 + j, D);
       }
       for (int64_t d = 0; d < D; d += V) {
         const Vec qd = Vec::loadu(q + d);
-        for (int j = 0; j < V; ++j) acc[j] = at::vec::fmadd(qd, Vec::loadu(k[j] + d), acc[j]);
+        for (int j = 0; j < V; ++j) acc[j] = at::vec::fmadd(qd, load_float(k[j] + d), acc[j]);
       }
       for (int j = 0; j < V; ++j) acc[j].store(partial + j * V);
       at::vec::transpose_mxn<float, V, V>(partial, V, columns, V);
@@ -59,26 +74,27 @@ void dots(const float* q, const float* keys, const int64_t* index, int64_t S, in
     }
   }
   for (; s0 < S; ++s0) {  // the last S % V slots (all of them when D is not a multiple of V)
-    const float* k = row_of(keys, index, s0, D);
+    const T* k = row_of(keys, index, s0, D);
     float sum = 0.f;
-    for (int64_t d = 0; d < D; ++d) sum += q[d] * k[d];
+    for (int64_t d = 0; d < D; ++d) sum += q[d] * static_cast<float>(k[d]);
     logits[s0] = sum;
   }
 }
 
 // out = sum_s p_s * values_s over S values [*, D] (the rows `index` names, or the first S), V lanes of the
 // output at a time.
-void weighted_sum(const float* p, const float* values, const int64_t* index, int64_t S, int64_t D, float* out) {
+template <typename T>
+void weighted_sum(const float* p, const T* values, const int64_t* index, int64_t S, int64_t D, float* out) {
   int64_t d0 = 0;
   for (; d0 + 4 * V <= D; d0 += 4 * V) {  // four independent accumulators in registers
     Vec o0(0.f), o1(0.f), o2(0.f), o3(0.f);
     for (int64_t s = 0; s < S; ++s) {
       const Vec w(p[s]);
-      const float* v = row_of(values, index, s, D) + d0;
-      o0 = at::vec::fmadd(w, Vec::loadu(v), o0);
-      o1 = at::vec::fmadd(w, Vec::loadu(v + V), o1);
-      o2 = at::vec::fmadd(w, Vec::loadu(v + 2 * V), o2);
-      o3 = at::vec::fmadd(w, Vec::loadu(v + 3 * V), o3);
+      const T* v = row_of(values, index, s, D) + d0;
+      o0 = at::vec::fmadd(w, load_float(v), o0);
+      o1 = at::vec::fmadd(w, load_float(v + V), o1);
+      o2 = at::vec::fmadd(w, load_float(v + 2 * V), o2);
+      o3 = at::vec::fmadd(w, load_float(v + 3 * V), o3);
     }
     o0.store(out + d0);
     o1.store(out + d0 + V);
@@ -87,7 +103,7 @@ void weighted_sum(const float* p, const float* values, const int64_t* index, int
   }
   for (; d0 < D; ++d0) {
     float sum = 0.f;
-    for (int64_t s = 0; s < S; ++s) sum += p[s] * row_of(values, index, s, D)[d0];
+    for (int64_t s = 0; s < S; ++s) sum += p[s] * static_cast<float>(row_of(values, index, s, D)[d0]);
     out[d0] = sum;
   }
 }
@@ -101,26 +117,19 @@ void softmax(float* x, int64_t n) {
 }
 
 // One (sequence, KV head) row per task: the G query heads' logits, softmax, output, and the slots' summed
-// (scores) and averaged (last) probabilities. KV is int8 (widened into `wide` with its scales, keys first,
-// then values) or float32 (read in place, no scales).
+// (scores) and averaged (last) probabilities. KV is float32, or int8 widened in registers as it is read, with
+// its per-slot scales applied to the logits (q . k8_j * s_j) and folded into the output's weights (p_j t_j).
 template <typename KV>
 void attend_rows(const float* qp, const KV* kp, const KV* vp, const float* ksp, const float* vsp, const int64_t* pp,
                  int64_t B, int64_t H, int64_t S, int64_t D, int64_t G, float cap, float* op, float* sp, float* lp) {
-  constexpr bool widen = std::is_same_v<KV, int8_t>;
   const float hidden = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> probs(G * S), wide(widen ? S * D : 0);  // one row's probabilities (and widened int8)
+    std::vector<float> probs(G * S), weights(vsp ? S : 0);  // one row's probabilities (and scaled ones)
     for (int64_t r = begin; r < end; ++r) {
-      const KV* k_row = kp + r * S * D;
-      const KV* v_row = vp + r * S * D;
-      const float* keys = nullptr;
-      if constexpr (widen) {
-        for (int64_t i = 0; i < S * D; ++i) wide[i] = static_cast<float>(k_row[i]);
-        keys = wide.data();
-      } else {
-        keys = k_row;
-      }
-      const float* ks = widen ? ksp + r * S : nullptr;
+      const KV* keys = kp + r * S * D;
+      const KV* values = vp + r * S * D;
+      const float* ks = ksp ? ksp + r * S : nullptr;
+      const float* vs = vsp ? vsp + r * S : nullptr;
       const int64_t* slot_pos = pp ? pp + r * S : nullptr;
       for (int64_t g = 0; g < G; ++g) {
         float* p = probs.data() + g * S;
@@ -131,17 +140,13 @@ void attend_rows(const float* qp, const KV* kp, const KV* vp, const float* ksp, 
           p[s] = slot_pos && slot_pos[s] < 0 ? hidden : x;
         }
         softmax(p, S);
+        const float* w = p;
+        if (vs) {
+          for (int64_t s = 0; s < S; ++s) weights[s] = p[s] * vs[s];
+          w = weights.data();
+        }
+        weighted_sum(w, values, nullptr, S, D, op + (r * G + g) * D);
       }
-      const float* values = nullptr;
-      if constexpr (widen) {
-        const float* vs = vsp + r * S;
-        for (int64_t s = 0; s < S; ++s)
-          for (int64_t d = 0; d < D; ++d) wide[s * D + d] = static_cast<float>(v_row[s * D + d]) * vs[s];
-        values = wide.data();
-      } else {
-        values = v_row;
-      }
-      for (int64_t g = 0; g < G; ++g) weighted_sum(probs.data() + g * S, values, nullptr, S, D, op + (r * G + g) * D);
       for (int64_t s = 0; s < S; ++s) {
         float total = 0.f;
         for (int64_t g = 0; g < G; ++g) total += probs[g * S + s];

@@ -1,13 +1,13 @@
-"""int8 KV's decode step with h2o-kv's C++ kernel (quant.attend_one_int8, the default where it builds),
-with the eager path (`compile_kernel=False`: widen to float, then MKL's products) and float32 storage, on
-the stock model.
+"""int8 KV's decode step with h2o-kv's C++ kernel (native.attend_one, the default where it builds), with
+the eager path (`compile_kernel=False`: widen to float, then MKL's products), and float32 storage with
+the same kernel (the default) and without it, on the stock model.
 
 H2O keeping 820 of 1024 tokens (the bench's 819 kept at 4096 x 20 %: the decode step reads the kept tokens
 only), batch 4, 2 threads, SmolLM2-135M float32. The three caches decode in turn, one step each
 (`decode_in_turn`, as `h2o-kv bench --interleave`), 16 steps per round, four rounds, so the machine's drift
 hits them alike; medians per round.
 
-    python results/bench-static/probes/int8_compiled.py
+    python results/bench-static/probes/int8_kernel.py
 """
 
 import statistics
@@ -27,6 +27,7 @@ B, P, KEPT = 4, 1024, 820
 ids = torch.randint(0, 1000, (B, P))
 caches = {
     "float32": KVCache(H2O(budget=KEPT)),
+    "float32 eager": KVCache(H2O(budget=KEPT), compile_kernel=False),
     "int8 eager": KVCache(H2O(budget=KEPT), kv_dtype="int8", compile_kernel=False),
     "int8 kernel": KVCache(H2O(budget=KEPT), kv_dtype="int8"),
 }

@@ -93,7 +93,7 @@ def use_rows_first(model: nn.Module, *, compile_kernel: bool | None = None) -> i
             continue
         new = RowsFirstLinear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
         new.weight, new.bias = child.weight, child.bias  # the same Parameters: no copy, ties kept
-        new.kernel = kernel
+        new.kernel = kernel and child.weight.is_contiguous()  # the kernel would copy a strided weight per call
         new.train(child.training)
         setattr(parent, name, new)
         swapped += 1

@@ -148,3 +148,26 @@ def test_engine_with_rows_first_batches_like_solo_runs():
     handles = [engine.submit(ids, max_tokens=8) for ids in prompts]
     engine.run()
     assert [h.result().token_ids for h in handles] == solo
+
+
+def test_a_strided_weight_keeps_the_torch_product():
+    """The kernel reads a contiguous weight; a transposed one would be copied every call, so it keeps the
+    torch product (the same logits either way)."""
+    model = make_model("llama")
+    proj = model.model.layers[0].mlp.down_proj
+    proj.weight = nn.Parameter(proj.weight.detach().t().contiguous().t())  # same values, transposed strides
+    ids = random_ids(2, 12)
+
+    def decode_step() -> torch.Tensor:  # a prompt (24 rows: the stock product), then one 2-row step
+        cache = h2o_kv.KVCache(h2o_kv.H2O(heavy=4, recent=4))
+        forward(model, cache, ids[:, :11])
+        return forward(model, cache, ids[:, 11:])
+
+    with torch.no_grad():
+        expected = decode_step()
+        use_rows_first(model)
+        got = decode_step()
+    swapped = model.model.layers[0].mlp.down_proj
+    assert type(swapped) is RowsFirstLinear and not swapped.kernel
+    assert model.model.layers[0].mlp.up_proj.kernel
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)

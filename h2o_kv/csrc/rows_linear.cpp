@@ -43,11 +43,13 @@ inline void tile(const float* x, const T* w, const T* bias, int64_t K, int64_t N
   Vec acc[RB][JB];
   for (int r = 0; r < RB; ++r)
     for (int b = 0; b < JB; ++b) acc[r][b] = Vec(0.f);
+  const T* ahead[JB];  // the weight rows two tiles ahead (the last row near the end), prefetched as we go
+  for (int b = 0; b < JB; ++b) ahead[b] = w + std::min<int64_t>(j0 + b + 2 * JB, N - 1) * K;
   int64_t k = 0;
   for (; k + V <= K; k += V) {
     Vec wk[JB];
     for (int b = 0; b < JB; ++b) {
-      __builtin_prefetch(w + (j0 + b + 2 * JB) * K + k, 0, 0);  // two tiles ahead (never faults past the end)
+      __builtin_prefetch(ahead[b] + k, 0, 0);
       wk[b] = load_float(w + (j0 + b) * K + k);
     }
     for (int r = 0; r < RB; ++r) {

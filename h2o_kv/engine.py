@@ -58,7 +58,7 @@ class Engine:
             raise ValueError(f"kv_memory must be a positive number of bytes, got {kv_memory!r}")
         self.model, self.tokenizer = enable(model), tokenizer
         check_kv_dtype(kv_dtype)
-        if model.device.type == "cpu" and native.missing() is None:
+        if model.device.type == "cpu" and native.resolve(None):  # what the engine's caches (compile_kernel=None) use
             native.load()  # the C++ kernels, built (once per machine) before the first request, not in its first step
         self.policy, self.budget, self.sinks, self.mode, self.kv_dtype = policy, budget, sinks, mode, kv_dtype
         self.kv_memory, self.max_batch, self.prefill_chunk = kv_memory, max_batch, prefill_chunk

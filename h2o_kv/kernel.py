@@ -92,7 +92,7 @@ def attend(
             out, scores, last = native.attend_one(q, keys, values, pos, scaling=scaling, softcap=softcap,
                                                   key_scale=key_scale, value_scale=value_scale)  # fmt: skip
             return out.to(dtype), scores if want_scores else None, last if want_last else None
-        if native_kernels and slot_head is not None and key_scale is None and keys.dtype == q.dtype == torch.float32:
+        if native_kernels and slot_head is not None and keys.dtype == q.dtype == torch.float32:
             out, scores, last = native.pooled_attend_one(q, keys, values, slot_head, pos, query_head.shape[0],
                                                          scaling=scaling, softcap=softcap)  # fmt: skip
             return out, scores if want_scores else None, last if want_last else None

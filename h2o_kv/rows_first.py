@@ -81,8 +81,6 @@ def use_rows_first(model: nn.Module, *, compile_kernel: bool | None = None) -> i
     if decoder is model:
         raise ValueError(f"{type(model).__name__} has no decoder (transformers' base_model) to swap linear layers in")
     kernel = native.resolve(compile_kernel)
-    if kernel:
-        native.load()  # build now, not in the first decode step
     slots = [(parent, name, child) for parent in decoder.modules() for name, child in parent.named_children()]
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None:  # the last token's logits (generation.forward leaves a swapped head to the model)
@@ -97,4 +95,6 @@ def use_rows_first(model: nn.Module, *, compile_kernel: bool | None = None) -> i
         new.train(child.training)
         setattr(parent, name, new)
         swapped += 1
+    if swapped and kernel:
+        native.load()  # build now, not in the first decode step (nothing to build for a GPU model)
     return swapped

@@ -39,7 +39,7 @@ class Settings:
     prompt_len: int | None = None  # size budgets from this many prompt tokens instead of the first call's
     padding: PaddingMemo | None = None
     kv_dtype: str | None = None  # "int8": keys and values stored quantized with per-token scales (quant.py)
-    compile_kernel: bool = False  # decode steps on a CPU over int8 or head-pooled storage run native.py's kernels
+    compile_kernel: bool = False  # CPU decode steps over float32, int8 or head-pooled storage run native.py's kernels
 
     def __post_init__(self) -> None:
         self._work: torch.Tensor | None = None

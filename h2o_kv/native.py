@@ -5,9 +5,10 @@ or read memory slower, than needed.
   KV head) row at a time inside the core's cache, in one pass (the eager path runs several small batched
   products over the layer). Torch has no int8 x float product on a CPU; the eager path widens a layer's
   int8 storage to float and multiplies with MKL, this kernel widens int8 in registers as it reads it.
-- `pooled_attend_one`: over a head-pooled row (pooled.py, AdaKV). The eager path computes every query
-  head against every slot of the row and masks the other heads' slots (3x the products of a uniform
-  layer on SmolLM2); this kernel computes each query head against its own head's slots only.
+- `pooled_attend_one` (`csrc/pooled_attend.cpp`): over a head-pooled row (pooled.py, AdaKV). The eager
+  path computes every query head against every slot of the row and masks the other heads' slots (3x the
+  products of a uniform layer on SmolLM2); this kernel computes each query head against its own head's
+  slots only, reading the row once in the order it lies in memory.
 - `rows_linear` (`csrc/rows_linear.cpp`): a linear layer for the few rows of a decode step (rows_first.py).
   MKL's products at 4 rows read the weights at about half the memory's speed; this kernel streams each
   weight row once.
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("attend_one.cpp", "rows_linear.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("attend_one.cpp", "pooled_attend.cpp", "rows_linear.cpp")]
 _lock = threading.Lock()
 _loaded = False
 

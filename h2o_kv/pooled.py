@@ -16,9 +16,11 @@ single "virtual" KV head, [batch, 1, heads x (capacity + 1)], and tags each slot
 The price against `KVLayer`: the eager attention computes the logits for every (query head, slot) pair,
 heads times the products of a uniform layer (the slots are still read once), with each KV head's mask
 added inside the product (`kernel.pooled_bias`); a decode step on a CPU runs h2o-kv's C++ kernel instead
-(`native.pooled_attend_one`: each query head against its own head's slots only). A decode step's
-eviction takes the `heads + 1` lowest priorities of the row (topk) instead of one minimum per head, and
-the next step writes into the slots it freed (`vacant`).
+(`native.pooled_attend_one`: each query head against its own head's slots only, the row read once in
+slot order). A decode step's eviction takes the `heads + 1` lowest priorities of the row (topk) instead
+of one minimum per head, and the next step writes into the slots it freed (`vacant`). Once every row
+frees exactly `heads` slots a step (a full cache), decoding takes the steady path (`_decode_full`, as
+`KVLayer`'s): the new token's slots are the ones freed, and no count or empty-slot search is needed.
 """
 
 from __future__ import annotations
@@ -56,8 +58,32 @@ class PooledKVLayer(KVLayer):
             self.query_head = torch.arange(self.kv_heads, device=self.device).repeat_interleave(group).view(-1, group)
         return super().forward_attention(query, attention_mask, **kwargs)
 
-    def _full(self) -> bool:
-        return False  # no `KVLayer._decode_full`: a decode step inserts and evicts across the row (below)
+    def _decode_full(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, qpos: torch.Tensor, *,
+                     scaling: float, softcap: float | None) -> torch.Tensor:  # fmt: skip
+        """The steady decode step (`KVLayer._decode_full` for a row): the new token's `heads` slots [B, H, 1, D]
+        go where the last step's eviction left `heads` empty slots in every row, each tagged with its head;
+        the query heads attend over the row, and every row frees `heads` slots again (`_evict_row`)."""
+        slots, self.vacant = self.vacant[0], None
+        batch, heads, _, dim = keys.shape
+        self.kept_bound += heads
+        self.head.scatter_(2, slots, self._tags(batch, 1))
+        rows = (batch, 1, heads)
+        self._write(slots, keys.reshape(batch, 1, heads, dim), values.reshape(batch, 1, heads, values.shape[-1]),
+                    qpos.view(batch, 1, 1).expand(rows), zeroed=True)  # fmt: skip
+        policy = self.policy
+        out, scores, last = self._attend(query, qpos, new_from=None, scaling=scaling, softcap=softcap,
+                                         want_scores=policy.needs_scores, want_last=policy.needs_last)  # fmt: skip
+        if scores is not None:
+            self._add_scores(scores, 1, observed=False, new_from=None)
+        if last is not None:
+            self.last = last
+        valid = None if self.packed is self.pos else self.pos >= 0
+        if valid is not None and self.min_capacity == self.max_capacity and bool(valid.all()):  # a sync, until packed
+            self.packed = self.pos  # every row holds capacity + heads tokens, evicts `heads` and gets them back
+        next_pos = self.next_pos.view(-1, 1, 1)
+        if not self._evict_row(valid, self.slot_state(next_pos)):
+            KVLayer._evict(self, next_pos, None, 1)  # a tie at the boundary: the exact (sorted) order
+        return out
 
     def _insert(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> int | None:
         """n new tokens [B, heads, n, D] take n x heads slots; returns the first one (None while decoding)."""
@@ -144,29 +170,43 @@ class PooledKVLayer(KVLayer):
     def _evict(self, next_pos: torch.Tensor, window: int | None, added: int) -> None:
         """A decode step frees up to `heads` slots of the row: the `heads + 1` lowest priorities (topk, not
         `KVLayer`'s two sorts) say which, unless two slots tie at the boundary (then `KVLayer`'s exact order).
-        When every row frees exactly `heads` (a full cache), they are freed by index and kept as `vacant`."""
+        When every row frees exactly `heads` (a full cache), `_evict_row` frees them and keeps them as `vacant`."""
         if added != 1 or window is not None or self.capacity is None or self.kept_bound <= self.min_capacity:
             return super()._evict(next_pos, window, added)
         valid = self.pos >= 0
         excess = (valid.sum(-1) - self.capacity).clamp_(min=0).unsqueeze(-1)  # [B, 1, 1]
+        if self.settings.mode == "drop" and bool((excess == self.spare).all()):  # a sync
+            if not self._evict_row(valid, self.slot_state(next_pos)):
+                super()._evict(next_pos, window, added)
+            return
         state = self.slot_state(next_pos)
         priority = torch.where(valid, self.policy.priority(state), float("inf"))
         lowest = torch.topk(priority, min(self.spare + 1, priority.shape[-1]), dim=-1, largest=False)
         last_out = lowest.values.gather(-1, (excess - 1).clamp(min=0))
         first_in = lowest.values.gather(-1, excess.clamp(max=lowest.values.shape[-1] - 1))
         tie = ((last_out == first_in) | (excess >= lowest.values.shape[-1])) & (excess > 0)
-        tied, full = torch.stack((tie.any(), (excess == self.spare).all())).tolist()  # one sync
-        if tied:
+        if bool(tie.any()):  # a sync
             return super()._evict(next_pos, window, added)
-        if full and self.settings.mode == "drop":
-            slots = lowest.indices[..., : self.spare].sort(dim=-1).values  # so a token's heads go in head order
-            for name, empty in (("pos", -1), ("score", 0.0), ("last", 0.0)):
-                if getattr(self, name) is not None:
-                    getattr(self, name).scatter_(2, slots, empty)
-            self.vacant = (slots, self.pos)
-        else:
-            self._free(valid & (priority <= last_out) & (excess > 0))
+        self._free(valid & (priority <= last_out) & (excess > 0))
         self.kept_bound = min(self.kept_bound, self.max_capacity)
+
+    def _evict_row(self, valid: torch.Tensor | None, state) -> bool:
+        """Every row holds exactly `heads` tokens over its capacity: free its `heads` lowest priorities (the
+        next step writes there: `vacant`). `valid` None: every slot holds a token. Returns False, freeing
+        nothing, when the `heads`-th and the next lowest tie (only the exact order says which goes)."""
+        priority = self.policy.priority(state)
+        if valid is not None:
+            priority = torch.where(valid, priority, float("inf"))
+        lowest = torch.topk(priority, self.spare + 1, dim=-1, largest=False)
+        if bool((lowest.values[..., -2] == lowest.values[..., -1]).any()):  # a sync
+            return False
+        slots = lowest.indices[..., : self.spare].sort(dim=-1).values  # so a token's heads go in head order
+        for name, empty in (("pos", -1), ("score", 0.0), ("last", 0.0)):
+            if getattr(self, name) is not None:
+                getattr(self, name).scatter_(2, slots, empty)
+        self.vacant = (slots, self.pos)
+        self.kept_bound = min(self.kept_bound, self.max_capacity)
+        return True
 
     def kept(self) -> torch.Tensor:
         """Tokens kept per (sequence, real KV head), [B, heads]."""

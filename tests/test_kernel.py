@@ -170,23 +170,31 @@ def test_a_bfloat16_layer_decodes_through_one_float32_buffer(monkeypatch):
 
 @pytest.mark.parametrize("softcap", [None, 5.0])
 @pytest.mark.parametrize(
-    "batch,heads,group,slots,dim", [(2, 3, 3, 40, 64), (1, 2, 1, 9, 16), (3, 4, 2, 67, 24)], ids=["gqa", "mha", "tail"]
+    "batch,heads,group,slots,dim",
+    [(2, 3, 3, 40, 64), (1, 2, 1, 9, 16), (3, 4, 2, 67, 24), (2, 3, 2, 700, 128), (1, 5, 1, 300, 40)],
+    ids=["gqa", "mha", "tail", "chunks", "empty-head"],
 )
 def test_pooled_kernel_equals_the_eager_path(batch, heads, group, slots, dim, softcap):
     """h2o-kv's C++ kernel for a head-pooled row (native.pooled_attend_one: each query head against its own
-    head's slots only) gives attend_one's output, scores and last-query attention (every head x slot pair,
-    the other heads' slots masked), with empty slots and heads holding different numbers of slots."""
+    head's slots only, the row read in chunks of 256 slots) gives attend_one's output, scores and last-query
+    attention (every head x slot pair, the other heads' slots masked), with empty slots, heads holding
+    different numbers of slots, and a head holding none."""
     from h2o_kv import native
 
     gen = torch.Generator().manual_seed(slots)
     q = torch.randn(batch, heads * group, 1, dim, generator=gen)
     keys, values = torch.randn(2, batch, 1, slots, dim, generator=gen)
     tag = torch.randint(0, heads, (batch, 1, slots), generator=gen, dtype=torch.int8)
-    tag[..., :heads] = torch.arange(heads, dtype=torch.int8)  # every head holds at least one slot
+    tag[..., :heads] = torch.arange(heads, dtype=torch.int8)  # every head holds at least one slot,
+    if heads == 5:  # but one: its query heads see nothing (output 0)
+        tag[tag == 4] = 3
     pos = torch.randperm(slots, generator=gen).repeat(batch, 1, 1)
     pos[..., heads:][torch.rand(batch, 1, slots - heads, generator=gen) < 0.2] = -1
-    query_head = torch.arange(heads).repeat_interleave(group).view(-1, group)
     got = native.pooled_attend_one(q, keys, values, tag, pos, heads, scaling=dim**-0.5, softcap=softcap)
+    if heads == 5:  # the eager path has no answer for a head without slots (0 / 0); the others' are its own
+        assert bool((got[0][:, :, 4 * group :] == 0).all())
+        got, q, heads = (got[0][:, :, : 4 * group], *got[1:]), q[:, : 4 * group], 4
+    query_head = torch.arange(heads).repeat_interleave(group).view(-1, group)
     expected = kernel.attend_one(q, keys, values, pos, scaling=dim**-0.5, softcap=softcap, want_scores=True,
                                  want_last=True, slot_head=tag, query_head=query_head)  # fmt: skip
     for a, b in zip(got, expected):

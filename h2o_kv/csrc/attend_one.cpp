@@ -1,13 +1,11 @@
-// h2o-kv's decode-step kernels on a CPU (built and called by h2o_kv/native.py), each doing the same
-// operations as kernel.attend_one for one query per sequence, where torch's products do more work:
+// h2o-kv's decode-step attention on a CPU (built and called by h2o_kv/native.py): the same operations as
+// kernel.attend_one for one query per sequence, where torch's products do more work.
 //
 // - attend_one: one row per (sequence, KV head), its G query heads' logits, mask, softmax, output and
 //   scores in one pass while the row is in the core's cache (torch's eager path runs a handful of small
 //   batched products and reductions over the layer, each reading it again). Int8 keys and values (quant.py)
 //   are widened in registers as they are read: torch has no int8 x float product on a CPU, so the eager
 //   path writes and reads a 4x larger float copy of the layer.
-// - pooled_attend_one: a head-pooled row (pooled.py, AdaKV): each query head against its own KV head's
-//   slots only, where the eager path computes every query head against the whole row and masks.
 //
 // Rows run in parallel on torch's threads (at::parallel_for); the vectors are torch's own (at::vec) at the
 // width native.py compiles for.
@@ -27,12 +25,6 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int V = Vec::size();
 
-// The key or value row of the j-th slot: `index[j]` of `rows` [*, D] when an index is given, else row j.
-template <typename T>
-inline const T* row_of(const T* rows, const int64_t* index, int64_t j, int64_t D) {
-  return rows + (index ? index[j] : j) * D;
-}
-
 // V lanes as float32: float32 as they are, int8 widened in registers (exact).
 inline Vec load_float(const float* p) { return Vec::loadu(p); }
 inline Vec load_float(const int8_t* p) {
@@ -47,11 +39,11 @@ inline Vec load_float(const int8_t* p) {
 #endif
 }
 
-// logits[j] = q . k_j for S keys [*, D] (the rows `index` names, or the first S): V slots at a time, one
+// logits[j] = q . k_j for S keys [S, D]: V slots at a time, one
 // accumulator per slot (V independent chains over D), then one transpose turns the V partial vectors into
 // V dot products.
 template <typename T>
-void dots(const float* q, const T* keys, const int64_t* index, int64_t S, int64_t D, float* logits) {
+void dots(const float* q, const T* keys, int64_t S, int64_t D, float* logits) {
   alignas(64) float partial[V * V], columns[V * V];
   int64_t s0 = 0;
   if (D % V == 0) {
@@ -60,7 +52,7 @@ void dots(const float* q, const T* keys, const int64_t* index, int64_t S, int64_
       const T* k[V];
       for (int j = 0; j < V; ++j) {
         acc[j] = Vec(0.f);
-        k[j] = row_of(keys, index, s0 + j, D);
+        k[j] = keys + (s0 + j) * D;
       }
       for (int64_t d = 0; d < D; d += V) {
         const Vec qd = Vec::loadu(q + d);
@@ -74,23 +66,22 @@ void dots(const float* q, const T* keys, const int64_t* index, int64_t S, int64_
     }
   }
   for (; s0 < S; ++s0) {  // the last S % V slots (all of them when D is not a multiple of V)
-    const T* k = row_of(keys, index, s0, D);
+    const T* k = keys + s0 * D;
     float sum = 0.f;
     for (int64_t d = 0; d < D; ++d) sum += q[d] * static_cast<float>(k[d]);
     logits[s0] = sum;
   }
 }
 
-// out = sum_s p_s * values_s over S values [*, D] (the rows `index` names, or the first S), V lanes of the
-// output at a time.
+// out = sum_s p_s * values_s over S values [S, D], V lanes of the output at a time.
 template <typename T>
-void weighted_sum(const float* p, const T* values, const int64_t* index, int64_t S, int64_t D, float* out) {
+void weighted_sum(const float* p, const T* values, int64_t S, int64_t D, float* out) {
   int64_t d0 = 0;
   for (; d0 + 4 * V <= D; d0 += 4 * V) {  // four independent accumulators in registers
     Vec o0(0.f), o1(0.f), o2(0.f), o3(0.f);
     for (int64_t s = 0; s < S; ++s) {
       const Vec w(p[s]);
-      const T* v = row_of(values, index, s, D) + d0;
+      const T* v = values + s * D + d0;
       o0 = at::vec::fmadd(w, load_float(v), o0);
       o1 = at::vec::fmadd(w, load_float(v + V), o1);
       o2 = at::vec::fmadd(w, load_float(v + 2 * V), o2);
@@ -103,7 +94,7 @@ void weighted_sum(const float* p, const T* values, const int64_t* index, int64_t
   }
   for (; d0 < D; ++d0) {
     float sum = 0.f;
-    for (int64_t s = 0; s < S; ++s) sum += p[s] * static_cast<float>(row_of(values, index, s, D)[d0]);
+    for (int64_t s = 0; s < S; ++s) sum += p[s] * static_cast<float>(values[s * D + d0]);
     out[d0] = sum;
   }
 }
@@ -133,7 +124,7 @@ void attend_rows(const float* qp, const KV* kp, const KV* vp, const float* ksp, 
       const int64_t* slot_pos = pp ? pp + r * S : nullptr;
       for (int64_t g = 0; g < G; ++g) {
         float* p = probs.data() + g * S;
-        dots(qp + (r * G + g) * D, keys, nullptr, S, D, p);
+        dots(qp + (r * G + g) * D, keys, S, D, p);
         for (int64_t s = 0; s < S; ++s) {
           float x = ks ? p[s] * ks[s] : p[s];
           if (cap > 0.f) x = std::tanh(x / cap) * cap;
@@ -145,7 +136,7 @@ void attend_rows(const float* qp, const KV* kp, const KV* vp, const float* ksp, 
           for (int64_t s = 0; s < S; ++s) weights[s] = p[s] * vs[s];
           w = weights.data();
         }
-        weighted_sum(w, values, nullptr, S, D, op + (r * G + g) * D);
+        weighted_sum(w, values, S, D, op + (r * G + g) * D);
       }
       for (int64_t s = 0; s < S; ++s) {
         float total = 0.f;
@@ -195,73 +186,10 @@ std::vector<at::Tensor> attend_one(const at::Tensor& q, const at::Tensor& keys, 
   return {out, scores, last};
 }
 
-// A head-pooled row's decode step (h2o_kv/pooled.py, AdaKV): q [B, Hq, D] float32, already scaled; keys,
-// values [B, 1, S, D] float32 shared by the KV heads, head [B, 1, S] int8 each slot's KV head, pos [B, 1, S]
-// int64 (-1: empty). Query head i belongs to KV head i / G (G = Hq / heads) and attends over that head's
-// kept slots only, so only those products are computed (the eager path computes every head x slot pair
-// and masks). Returns out [B, Hq, D], scores [B, 1, S] (each slot's probabilities summed over its own
-// head's queries; 0 on empty slots) and last [B, 1, S] (their mean).
-std::vector<at::Tensor> pooled_attend_one(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                                          const at::Tensor& head, const at::Tensor& pos, int64_t heads,
-                                          double softcap) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat
-              && head.scalar_type() == at::kChar && pos.scalar_type() == at::kLong,
-              "pooled_attend_one: float32 q, keys and values, int8 head tags, int64 pos");
-  TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && keys.size(1) == 1 && keys.sizes() == values.sizes()
-              && keys.size(0) == q.size(0) && keys.size(3) == q.size(2) && heads > 0 && q.size(1) % heads == 0,
-              "pooled_attend_one: shapes do not match");
-  const int64_t B = keys.size(0), S = keys.size(2), D = keys.size(3), Hq = q.size(1), G = Hq / heads;
-  const at::Tensor qc = q.contiguous(), kc = keys.contiguous(), vc = values.contiguous();
-  const at::Tensor hc = head.contiguous(), pc = pos.contiguous();
-  at::Tensor out = at::zeros({B, Hq, D}, q.options());
-  at::Tensor scores = at::zeros({B, 1, S}, q.options());
-  at::Tensor last = at::zeros({B, 1, S}, q.options());
-  const float* qp = qc.data_ptr<float>();
-  const float* kp = kc.data_ptr<float>();
-  const float* vp = vc.data_ptr<float>();
-  const int8_t* hp = hc.data_ptr<int8_t>();
-  const int64_t* pp = pc.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  float* sp = scores.data_ptr<float>();
-  float* lp = last.data_ptr<float>();
-  const float cap = static_cast<float>(softcap);
-  at::parallel_for(0, B * heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> index;
-    std::vector<float> probs;
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t b = r / heads, h = r % heads;
-      index.clear();  // this head's kept slots
-      for (int64_t s = 0; s < S; ++s)
-        if (hp[b * S + s] == h && pp[b * S + s] >= 0) index.push_back(s);
-      const int64_t n = static_cast<int64_t>(index.size());
-      probs.resize(G * n);
-      const float *keys_b = kp + b * S * D, *values_b = vp + b * S * D;
-      for (int64_t g = 0; g < G; ++g) {
-        float* p = probs.data() + g * n;
-        dots(qp + (b * Hq + h * G + g) * D, keys_b, index.data(), n, D, p);
-        if (cap > 0.f)
-          for (int64_t i = 0; i < n; ++i) p[i] = std::tanh(p[i] / cap) * cap;
-        softmax(p, n);
-        weighted_sum(p, values_b, index.data(), n, D, op + (b * Hq + h * G + g) * D);
-      }
-      for (int64_t i = 0; i < n; ++i) {
-        float total = 0.f;
-        for (int64_t g = 0; g < G; ++g) total += probs[g * n + i];
-        sp[b * S + index[i]] = total;
-        lp[b * S + index[i]] = total / static_cast<float>(G);
-      }
-    }
-  });
-  return {out, scores, last};
-}
-
 }  // namespace
 
 TORCH_LIBRARY(h2o_kv, m) {
   m.def("attend_one(Tensor q, Tensor keys, Tensor values, Tensor? key_scale, Tensor? value_scale, Tensor? pos, "
         "float softcap) -> Tensor[]",
         &attend_one);
-  m.def("pooled_attend_one(Tensor q, Tensor keys, Tensor values, Tensor head, Tensor pos, int heads, "
-        "float softcap) -> Tensor[]",
-        &pooled_attend_one);
 }

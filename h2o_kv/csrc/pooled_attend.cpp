@@ -1,0 +1,254 @@
+// A head-pooled row's decode-step attention on a CPU (h2o_kv/pooled.py, AdaKV; built and called by
+// h2o_kv/native.py): the same operations as kernel.attend_one with `slot_head`, where the eager path computes
+// every query head against every slot of the row and masks the other heads' slots.
+//
+// The row's heads' slots are interleaved (a token's heads take neighbouring slots, and a decode step refills
+// whichever slots the last eviction freed). Reading one head's slots at a time, as attend_one reads a uniform
+// layer's rows, jumps through memory and ran at its latency (a fifth slower than attend_one over the same
+// bytes); this kernel reads the row once in slot order, in chunks that run in parallel on torch's threads.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int V = Vec::size();
+
+// A head-pooled row's decode step (h2o_kv/pooled.py, AdaKV): q [B, Hq, D] float32, already scaled; keys,
+// values [B, 1, S, D] float32 shared by the KV heads, head [B, 1, S] int8 each slot's KV head, pos [B, 1, S]
+// int64 (-1: empty). Query head i belongs to KV head i / G (G = Hq / heads) and attends over that head's
+// kept slots only. The row is read in slot order, the way it lies in memory (a head's slots are scattered
+// through it, and reading them head by head runs at the memory's latency, not its bandwidth):
+//   1. each slot's G logits, its own head's queries against its key (chunks of the row in parallel);
+//   2. per (sequence, query head): the max, exp and sum over that head's slots (small, in cache);
+//   3. each slot's value weighted into its head's G outputs (chunks in parallel, then summed in chunk order).
+// Returns out [B, Hq, D], scores [B, 1, S] (each slot's probabilities summed over its own head's queries; 0 on
+// empty slots) and last [B, 1, S] (their mean).
+constexpr int64_t CHUNK = 256;  // slots per task in the passes over the row
+
+std::vector<at::Tensor> pooled_attend_one(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                                          const at::Tensor& head, const at::Tensor& pos, int64_t heads,
+                                          double softcap) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat
+              && head.scalar_type() == at::kChar && pos.scalar_type() == at::kLong,
+              "pooled_attend_one: float32 q, keys and values, int8 head tags, int64 pos");
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && keys.size(1) == 1 && keys.sizes() == values.sizes()
+              && keys.size(0) == q.size(0) && keys.size(3) == q.size(2) && heads > 0 && q.size(1) % heads == 0,
+              "pooled_attend_one: shapes do not match");
+  const int64_t B = keys.size(0), S = keys.size(2), D = keys.size(3), Hq = q.size(1), G = Hq / heads;
+  const int64_t chunks = std::max<int64_t>(1, (S + CHUNK - 1) / CHUNK);
+  const at::Tensor qc = q.contiguous(), kc = keys.contiguous(), vc = values.contiguous();
+  const at::Tensor hc = head.contiguous(), pc = pos.contiguous();
+  at::Tensor probs = at::empty({B, G, S}, q.options());  // logits, then probabilities: [b][g][s]
+  at::Tensor slot_heads = at::empty({B, S}, q.options());  // a slot's head as a float, `heads` if empty
+  at::Tensor partial = at::empty({B, chunks, Hq, D}, q.options());
+  at::Tensor scores = at::empty({B, 1, S}, q.options());
+  at::Tensor last = at::empty({B, 1, S}, q.options());
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = kc.data_ptr<float>();
+  const float* vp = vc.data_ptr<float>();
+  const int8_t* hp = hc.data_ptr<int8_t>();
+  const int64_t* pp = pc.data_ptr<int64_t>();
+  float* P = probs.data_ptr<float>();
+  float* which = slot_heads.data_ptr<float>();
+  float* part = partial.data_ptr<float>();
+  float* sp = scores.data_ptr<float>();
+  float* lp = last.data_ptr<float>();
+  const float cap = static_cast<float>(softcap);
+  const float hidden = -std::numeric_limits<float>::infinity();
+  // a slot's KV head, or -1 for an empty slot (or a tag out of range)
+  auto head_of = [&](int64_t b, int64_t s) -> int64_t {
+    const int64_t h = hp[b * S + s];
+    return pp[b * S + s] >= 0 && h >= 0 && h < heads ? h : -1;
+  };
+  // 1. logits, slot order
+  at::parallel_for(0, B * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / chunks, s_begin = (task % chunks) * CHUNK, s_end = std::min(S, s_begin + CHUNK);
+      const float* keys_b = kp + b * S * D;
+      const float* q_b = qp + b * Hq * D;
+      float* P_b = P + b * G * S;
+      int64_t s0 = s_begin;
+      if (D % V == 0) {  // V slots at a time, each against its own head's query g: V independent sums over D
+        alignas(64) float partial_dots[V * V], columns[V * V];
+        for (; s0 + V <= s_end; s0 += V) {
+          const float *k[V], *qh[V];
+          for (int j = 0; j < V; ++j) {
+            k[j] = keys_b + (s0 + j) * D;
+            qh[j] = q_b + std::max<int64_t>(head_of(b, s0 + j), 0) * G * D;  // an empty slot: masked below
+          }
+          for (int64_t g = 0; g < G; ++g) {
+            Vec acc[V];
+            for (int j = 0; j < V; ++j) acc[j] = Vec(0.f);
+            for (int64_t d = 0; d < D; d += V)
+              for (int j = 0; j < V; ++j)
+                acc[j] = at::vec::fmadd(Vec::loadu(qh[j] + g * D + d), Vec::loadu(k[j] + d), acc[j]);
+            for (int j = 0; j < V; ++j) acc[j].store(partial_dots + j * V);
+            at::vec::transpose_mxn<float, V, V>(partial_dots, V, columns, V);
+            Vec sum = Vec::loadu(columns);
+            for (int i = 1; i < V; ++i) sum = sum + Vec::loadu(columns + i * V);
+            sum.store(P_b + g * S + s0);
+          }
+        }
+      }
+      for (; s0 < s_end; ++s0) {  // the last slots of the chunk (all of them when D is not a multiple of V)
+        const int64_t h = std::max<int64_t>(head_of(b, s0), 0);
+        const float* k = keys_b + s0 * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = q_b + (h * G + g) * D;
+          float sum = 0.f;
+          for (int64_t d = 0; d < D; ++d) sum += qg[d] * k[d];
+          P_b[g * S + s0] = sum;
+        }
+      }
+      for (int64_t s = s_begin; s < s_end; ++s) {
+        const int64_t h = head_of(b, s);
+        which[b * S + s] = static_cast<float>(h < 0 ? heads : h);
+        for (int64_t g = 0; g < G; ++g) {
+          float& x = P_b[g * S + s];
+          if (cap > 0.f) x = std::tanh(x / cap) * cap;
+          if (h < 0) x = hidden;
+        }
+      }
+    }
+  });
+  // 2. softmax per (sequence, query head) over its head's slots, V slots at a time: each head's lanes picked
+  // by comparing the slots' heads (`which`), the empty slots' logits are -inf (probabilities 0).
+  at::parallel_for(0, B * G, 1, [&](int64_t begin, int64_t end) {
+    std::vector<Vec> top(heads), total(heads);
+    std::vector<float> top_of(heads + 1, 0.f), scale_of(heads + 1, 0.f);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / G, g = task % G;
+      float* row = P + (b * G + g) * S;
+      const float* w = which + b * S;
+      const int64_t vectorized = S - S % V;
+      // the row's lanes that hold head h's slots as a factor per head (index `heads`: the empty slots, 0)
+      auto per_head = [&](const float* table, int64_t s0) {
+        const Vec wv = Vec::loadu(w + s0);
+        Vec out(table[heads]);
+        for (int64_t h = 0; h < heads; ++h)
+          out = Vec::blendv(out, Vec(table[h]), wv == Vec(static_cast<float>(h)));
+        return out;
+      };
+      std::fill(top.begin(), top.end(), Vec(hidden));
+      for (int64_t s0 = 0; s0 < vectorized; s0 += V) {
+        const Vec x = Vec::loadu(row + s0), wv = Vec::loadu(w + s0);
+        for (int64_t h = 0; h < heads; ++h)
+          top[h] = at::vec::maximum(top[h], Vec::blendv(Vec(hidden), x, wv == Vec(static_cast<float>(h))));
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        alignas(64) float lanes[V];
+        top[h].store(lanes);
+        top_of[h] = *std::max_element(lanes, lanes + V);
+      }
+      for (int64_t s = vectorized; s < S; ++s)
+        if (w[s] < heads) top_of[static_cast<int64_t>(w[s])] = std::max(top_of[static_cast<int64_t>(w[s])], row[s]);
+      for (int64_t h = 0; h < heads; ++h) top_of[h] = top_of[h] == hidden ? 0.f : top_of[h];  // no kept slot
+      top_of[heads] = 0.f;
+      std::fill(total.begin(), total.end(), Vec(0.f));
+      for (int64_t s0 = 0; s0 < vectorized; s0 += V) {
+        const Vec p = (Vec::loadu(row + s0) - per_head(top_of.data(), s0)).exp(), wv = Vec::loadu(w + s0);
+        p.store(row + s0);
+        for (int64_t h = 0; h < heads; ++h)
+          total[h] = total[h] + Vec::blendv(Vec(0.f), p, wv == Vec(static_cast<float>(h)));
+      }
+      for (int64_t h = 0; h < heads; ++h) scale_of[h] = at::vec::vec_reduce_all<float>(
+          [](Vec& a, Vec& c) { return a + c; }, total[h]);
+      for (int64_t s = vectorized; s < S; ++s) {
+        const int64_t h = static_cast<int64_t>(w[s]);
+        row[s] = std::exp(row[s] - top_of[h]);
+        if (h < heads) scale_of[h] += row[s];
+      }
+      for (int64_t h = 0; h < heads; ++h) scale_of[h] = scale_of[h] > 0.f ? 1.f / scale_of[h] : 0.f;
+      scale_of[heads] = 0.f;
+      for (int64_t s0 = 0; s0 < vectorized; s0 += V)
+        (Vec::loadu(row + s0) * per_head(scale_of.data(), s0)).store(row + s0);
+      for (int64_t s = vectorized; s < S; ++s) row[s] *= scale_of[static_cast<int64_t>(w[s])];
+    }
+  });
+  // 3. the weighted values, slot order, into each chunk's outputs [Hq, D]
+  at::parallel_for(0, B * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / chunks, s_begin = (task % chunks) * CHUNK, s_end = std::min(S, s_begin + CHUNK);
+      float* acc = part + task * Hq * D;
+      std::fill(acc, acc + Hq * D, 0.f);
+      const float* P_b = P + b * G * S;
+      float* score = sp + b * S + s_begin;  // a slot's probabilities summed over its head's queries, and their mean
+      const int64_t width = s_end - s_begin;
+      std::copy(P_b + s_begin, P_b + s_end, score);
+      for (int64_t g = 1; g < G; ++g)
+        at::vec::map2([](Vec a, Vec c) { return a + c; }, score, score, P_b + g * S + s_begin, width);
+      const float mean = 1.f / static_cast<float>(G);
+      at::vec::map([mean](Vec a) { return a * Vec(mean); }, lp + b * S + s_begin, score, width);
+      // sub-blocks of SUB slots (their values stay in L1): per head, its slots' values weighted into its G
+      // outputs, held in registers 4 V lanes at a time
+      constexpr int64_t SUB = 32;
+      int64_t mine[SUB];
+      for (int64_t s_sub = s_begin; s_sub < s_end; s_sub += SUB) {
+        const int64_t sub_end = std::min(s_end, s_sub + SUB);
+        for (int64_t h = 0; h < heads; ++h) {
+          int64_t n = 0;
+          for (int64_t s = s_sub; s < sub_end; ++s)
+            if (which[b * S + s] == static_cast<float>(h)) mine[n++] = s;
+          if (n == 0) continue;
+          for (int64_t g = 0; g < G; ++g) {
+            const float* p = P_b + g * S;
+            float* o = acc + (h * G + g) * D;
+            int64_t d0 = 0;
+            for (; d0 + 4 * V <= D; d0 += 4 * V) {
+              Vec o0 = Vec::loadu(o + d0), o1 = Vec::loadu(o + d0 + V), o2 = Vec::loadu(o + d0 + 2 * V),
+                  o3 = Vec::loadu(o + d0 + 3 * V);
+              for (int64_t i = 0; i < n; ++i) {
+                const Vec w(p[mine[i]]);
+                const float* v = vp + (b * S + mine[i]) * D + d0;
+                o0 = at::vec::fmadd(w, Vec::loadu(v), o0);
+                o1 = at::vec::fmadd(w, Vec::loadu(v + V), o1);
+                o2 = at::vec::fmadd(w, Vec::loadu(v + 2 * V), o2);
+                o3 = at::vec::fmadd(w, Vec::loadu(v + 3 * V), o3);
+              }
+              o0.store(o + d0);
+              o1.store(o + d0 + V);
+              o2.store(o + d0 + 2 * V);
+              o3.store(o + d0 + 3 * V);
+            }
+            for (; d0 + V <= D; d0 += V) {
+              Vec o0 = Vec::loadu(o + d0);
+              for (int64_t i = 0; i < n; ++i)
+                o0 = at::vec::fmadd(Vec(p[mine[i]]), Vec::loadu(vp + (b * S + mine[i]) * D + d0), o0);
+              o0.store(o + d0);
+            }
+            for (; d0 < D; ++d0)
+              for (int64_t i = 0; i < n; ++i) o[d0] += p[mine[i]] * vp[(b * S + mine[i]) * D + d0];
+          }
+        }
+      }
+    }
+  });
+  // the chunks' outputs summed in chunk order
+  at::Tensor out = at::empty({B, Hq, D}, q.options());
+  float* op = out.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    float* o = op + b * Hq * D;
+    std::copy(part + b * chunks * Hq * D, part + (b * chunks + 1) * Hq * D, o);
+    for (int64_t c = 1; c < chunks; ++c)
+      at::vec::map2([](Vec a, Vec x) { return a + x; }, o, o, part + (b * chunks + c) * Hq * D, Hq * D);
+  }
+  return {out, scores, last};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(h2o_kv, m) {
+  m.def("pooled_attend_one(Tensor q, Tensor keys, Tensor values, Tensor head, Tensor pos, int heads, "
+        "float softcap) -> Tensor[]",
+        &pooled_attend_one);
+}

@@ -16,6 +16,7 @@ BIG = [
     h2o_kv.StreamingLLM(sinks=4, window=60),
     h2o_kv.TOVA(budget=64),
     h2o_kv.AdaKV(h2o_kv.SnapKV(budget=64)),
+    h2o_kv.AdaKV(h2o_kv.TOVA(budget=64)),  # a head-pooled prompt that scores its last query (batch of 2)
 ]
 SMALL = [
     h2o_kv.H2O(heavy=4, recent=4),

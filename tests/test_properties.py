@@ -11,10 +11,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_eviction import kept_positions
 
 import h2o_kv
 from h2o_kv import policies
 from h2o_kv.layer import KVLayer, Settings
+from h2o_kv.pooled import PooledKVLayer
 
 from conftest import make_model
 from reference import reference_layer
@@ -39,6 +41,9 @@ def tokens(value, length: int) -> int:
 
 def spec(policy) -> tuple[str, callable]:
     """The reference rule and (prompt length -> capacity, params) for a policy, read from the spec."""
+    if isinstance(policy, h2o_kv.AdaKV):  # the inner policy's rule over a layer's heads together
+        rule, inner = spec(policy.inner)
+        return rule, lambda length: (inner(length)[0], {**inner(length)[1], "pooled": True})
     if isinstance(policy, h2o_kv.H2O):
         if policy.budget is not None:
 
@@ -90,6 +95,8 @@ bounded_policies = st.one_of(
 @st.composite
 def layer_cases(draw):
     policy = draw(bounded_policies)
+    if draw(st.booleans()):
+        policy = h2o_kv.AdaKV(policy)  # the layer's heads share heads x capacity slots (pooled.py)
     batch = draw(st.integers(1, 3))
     kv_heads = draw(st.sampled_from([1, 2]))
     group = draw(st.sampled_from([1, 2]))
@@ -126,7 +133,8 @@ def test_layer_equals_reference_for_random_policies_batches_and_schedules(case):
     for row, pad in enumerate(case["padding"]):
         real[row, :pad] = False  # left padding inside the first call
 
-    layer = KVLayer(Settings(case["policy"], case["mode"], case["prefill_chunk"]), 0)
+    pooled = case["policy"].head_pooled
+    layer = (PooledKVLayer if pooled else KVLayer)(Settings(case["policy"], case["mode"], case["prefill_chunk"]), 0)
     rule, sized = spec(case["policy"])
     capacity = [sized(calls[0] - pad)[0] for pad in case["padding"]]
     outs, start = [], 0
@@ -139,8 +147,10 @@ def test_layer_equals_reference_for_random_policies_batches_and_schedules(case):
             )
         )
         kept = layer.kept()
-        for row in range(batch):
-            assert int(kept[row].max()) <= capacity[row]  # never more than the capacity between calls
+        for row in range(batch):  # never more than the capacity between calls (a pooled layer's: heads x it)
+            assert int(kept[row].sum() if pooled else kept[row].max()) <= capacity[row] * (
+                case["kv_heads"] if pooled else 1
+            )
         start = stop
     out = torch.cat(outs, dim=1)
 
@@ -158,8 +168,7 @@ def test_layer_equals_reference_for_random_policies_batches_and_schedules(case):
             q[row, :, pad:], k[row, :, pad:], v[row, :, pad:], schedule, rule, cap, params, window=window
         )
         torch.testing.assert_close(out[row, pad:].double(), ref_out, atol=1e-4, rtol=1e-4)
-        got = [sorted(int(p) for p in head[head >= 0]) for head in layer.pos[row]]
-        assert got == ref_kept
+        assert kept_positions(layer, row) == ref_kept
 
 
 # -- constructors: every value outside the one budget rule is refused, naming the argument ---------------
@@ -271,6 +280,11 @@ def llama():
         st.builds(h2o_kv.H2O, heavy=st.integers(0, 4), recent=st.integers(1, 4)),
         st.builds(h2o_kv.TOVA, budget=st.integers(1, 6)),
         st.builds(h2o_kv.StreamingLLM, sinks=st.integers(0, 2), window=st.integers(1, 4)),
+        st.builds(h2o_kv.SnapKV, budget=st.integers(1, 8), window=st.integers(1, 4), pool=st.sampled_from([1, 3])),
+        st.builds(lambda h, r: h2o_kv.AdaKV(h2o_kv.H2O(heavy=h, recent=r)), st.integers(0, 4), st.integers(1, 4)),
+        st.builds(
+            lambda b, w: h2o_kv.AdaKV(h2o_kv.SnapKV(budget=b, window=w, pool=3)), st.integers(1, 8), st.integers(1, 4)
+        ),  # fmt: skip
     ),
     steps=st.integers(1, 4),
     seed=st.integers(0, 1000),
@@ -298,7 +312,10 @@ def test_model_batch_rows_equal_single_runs_in_both_modes(lengths, policy, steps
         batch, cache = run("drop", ids[:, :width], mask, ids[:, width:])
         masked, _ = run("mask", ids[:, :width], mask, ids[:, width:])
         capacity = int(policy.capacity(torch.tensor([[[1]]])).max())
-        assert int(cache.kept_per_head().max()) <= capacity
+        kept = cache.kept_per_head()  # [layers, batch, KV heads]; a pooled layer's heads share heads x capacity
+        assert int(kept.sum(-1).max() if policy.head_pooled else kept.max()) <= capacity * (
+            kept.shape[-1] if policy.head_pooled else 1
+        )
         torch.testing.assert_close(batch, masked, atol=1e-4, rtol=1e-4)
         for row, length in enumerate(lengths):
             alone, _ = run(

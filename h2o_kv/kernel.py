@@ -277,7 +277,7 @@ def attend_one(
     if not fused:  # no mask, or one added after the product with the key scales or the softcap
         mask = q.new_zeros(1, 1, 1)
     elif slot_head is None:  # one mask per KV head, shared by its group
-        mask = bias.to(q.dtype).reshape(batch * kv_heads, -1, slots)  # a view unless `pos` is (a pooled prompt's)
+        mask = bias.to(q.dtype).reshape(batch * kv_heads, -1, slots)  # a copy if `pos` is strided (a pooled prompt's)
     else:  # each query head gets its own KV head's mask, [B, Hq, S] (one small copy)
         heads = bias.shape[1]
         mask = bias.to(q.dtype).expand(batch, heads, q_heads // heads, slots).reshape(batch, q_heads, slots)

@@ -29,6 +29,7 @@ import torch
 
 from .kernel import attend
 from .layer import KVLayer
+from .policies import SlotState
 
 POS_SPAN = 1 << 40  # a position is below this (MAX_TOKENS), so head * POS_SPAN + pos orders by (head, pos)
 
@@ -190,7 +191,7 @@ class PooledKVLayer(KVLayer):
         self._free(valid & (priority <= last_out) & (excess > 0))
         self.kept_bound = min(self.kept_bound, self.max_capacity)
 
-    def _evict_row(self, valid: torch.Tensor | None, state) -> bool:
+    def _evict_row(self, valid: torch.Tensor | None, state: SlotState) -> bool:
         """Every row holds exactly `heads` tokens over its capacity: free its `heads` lowest priorities (the
         next step writes there: `vacant`). `valid` None: every slot holds a token. Returns False, freeing
         nothing, when the `heads`-th and the next lowest tie (only the exact order says which goes)."""

@@ -129,6 +129,14 @@ def pooled_attend_one(
     return out.view(batch, 1, q_heads, dim), scores, last
 
 
+def lowest_slots(priority: torch.Tensor, k: int) -> tuple[torch.Tensor, bool]:
+    """Each row's `k` lowest priorities ([B, 1, S] float32) as slot indices [B, 1, k] in slot order, and
+    whether a row's k-th and (k+1)-th lowest tie (`csrc/pooled_attend.cpp`; torch's topk, sort and compare)."""
+    load()
+    slots, tied = torch.ops.h2o_kv.lowest_slots(priority, k)
+    return slots, bool(tied)
+
+
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [R, K] @ weight[N, K]^T (+ bias [N]) for a few rows, all float32 or all bfloat16: [R, N] in that dtype,
     summed in float32 in the same order whatever the other rows (`csrc/rows_linear.cpp`)."""

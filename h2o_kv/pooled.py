@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from . import native
 from .kernel import attend
 from .layer import KVLayer
 from .policies import SlotState
@@ -198,10 +199,14 @@ class PooledKVLayer(KVLayer):
         priority = self.policy.priority(state)
         if valid is not None:
             priority = torch.where(valid, priority, float("inf"))
-        lowest = torch.topk(priority, self.spare + 1, dim=-1, largest=False)
-        if bool((lowest.values[..., -2] == lowest.values[..., -1]).any()):  # a sync
+        if self.settings.compile_kernel and priority.device.type == "cpu" and priority.dtype == torch.float32:
+            slots, tied = native.lowest_slots(priority, self.spare)  # one pass for the four ops below
+        else:
+            lowest = torch.topk(priority, self.spare + 1, dim=-1, largest=False)
+            tied = bool((lowest.values[..., -2] == lowest.values[..., -1]).any())  # a sync
+            slots = lowest.indices[..., : self.spare].sort(dim=-1).values  # so a token's heads go in head order
+        if tied:
             return False
-        slots = lowest.indices[..., : self.spare].sort(dim=-1).values  # so a token's heads go in head order
         for name, empty in (("pos", -1), ("score", 0.0), ("last", 0.0)):
             if getattr(self, name) is not None:
                 getattr(self, name).scatter_(2, slots, empty)

@@ -200,3 +200,28 @@ def test_pooled_kernel_equals_the_eager_path(batch, heads, group, slots, dim, so
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert float(got[1].masked_select(pos < 0).abs().sum()) == 0.0  # an empty slot gets no attention
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_lowest_slots_equal_topk_then_sort(k):
+    """native.lowest_slots (AdaKV's decode eviction): each row's k lowest priorities as slot indices in slot
+    order, as torch's topk and sort give them, and a tie flagged exactly when a row's k-th and (k+1)-th lowest
+    are equal (infinite ones included: masked slots)."""
+    from h2o_kv import native
+
+    gen = torch.Generator().manual_seed(k)
+    for trial in range(40):
+        priority = torch.rand(3, 1, 50, generator=gen)
+        if trial % 4 == 1:  # masked (empty) slots
+            priority[torch.rand(priority.shape, generator=gen) < 0.3] = float("inf")
+        if trial % 4 == 2:  # few distinct values: ties
+            priority = (priority * 4).floor()
+        if trial % 4 == 3:  # fewer than k + 1 finite priorities in a row
+            priority[1, 0, k:] = float("inf")
+        slots, tied = native.lowest_slots(priority, k)
+        lowest = torch.topk(priority, k + 1, dim=-1, largest=False)
+        assert tied == bool((lowest.values[..., -2] == lowest.values[..., -1]).any())
+        if not tied:
+            assert torch.equal(slots, lowest.indices[..., :k].sort(dim=-1).values)
+    with pytest.raises(RuntimeError, match="S > k"):
+        native.lowest_slots(torch.rand(1, 1, 3), 3)

@@ -107,11 +107,13 @@ def test_adakv_heads_share_the_layer_budget_in_the_memory_of_a_uniform_one():
     assert pooled.nbytes() == uniform.nbytes() + tags
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "kernels"])
 @pytest.mark.parametrize("name, tied", [("adakv_h2o", False), ("adakv_tova", False), ("adakv_tova", True)])
-def test_adakv_steady_decode_path_keeps_the_reference_tokens(name, tied, monkeypatch):
+def test_adakv_steady_decode_path_keeps_the_reference_tokens(name, tied, native, monkeypatch):
     """Once every row frees its `heads` slots each step, AdaKV's layer takes its steady decode path (counted);
     with tied priorities at the boundary (TOVA, zero keys) it falls back to the exact order. Both keep
-    the reference's tokens, row by row of a batch whose rows got different prompts."""
+    the reference's tokens, row by row of a batch whose rows got different prompts, with torch's ops and
+    with h2o-kv's C++ kernels (the pooled attention, and `native.lowest_slots` for the eviction)."""
     from h2o_kv.pooled import PooledKVLayer
 
     calls = {"steady": 0, "tie": 0}
@@ -128,17 +130,22 @@ def test_adakv_steady_decode_path_keeps_the_reference_tokens(name, tied, monkeyp
 
     monkeypatch.setattr(PooledKVLayer, "_decode_full", counted_steady)
     monkeypatch.setattr(PooledKVLayer, "_evict_row", counted_row)
+    from h2o_kv import native as kernels
+
+    lowest, kernel_calls = kernels.lowest_slots, []
+    monkeypatch.setattr(kernels, "lowest_slots", lambda *a: kernel_calls.append(1) or lowest(*a))
     policy, rule, capacity, params = POLICIES[name]
     q, k, v = random_qkv(batch=2, total=40, seed=7)
     if tied:  # every other key zero: those tokens tie in TOVA's priorities (the last query's attention)
         k[:, :, ::2] = 0.0
     chunks = [12] + [1] * 28
-    out, layer = run_layer(policy, q, k, v, chunks)
+    out, layer = run_layer(policy, q, k, v, chunks, native=native)
     for row in range(2):
         ref_out, ref_kept = reference_layer(q[row], k[row], v[row], chunks, rule, capacity, params)
         torch.testing.assert_close(out[row].double(), ref_out, atol=1e-5, rtol=1e-5)
         assert kept_positions(layer, row) == ref_kept
     assert calls["steady"] >= (5 if tied else 20)  # a tie's step takes the general path, and so does the next
+    assert bool(kernel_calls) == native
     assert (calls["tie"] > 0) == tied
 
 

@@ -245,10 +245,52 @@ std::vector<at::Tensor> pooled_attend_one(const at::Tensor& q, const at::Tensor&
   return {out, scores, last};
 }
 
+// A decode step's eviction over head-pooled rows (pooled.py `_evict_row`): priority [B, 1, S] float32, each
+// row's `k` lowest priorities (the slots it frees), as slot indices [B, 1, k] in ascending slot order, and
+// whether any row's k-th and (k+1)-th lowest are equal (then which slot goes is the exact order's to say, and
+// the caller takes it). One pass per row keeping the k + 1 lowest (torch's topk, sort and compare: four ops).
+std::vector<at::Tensor> lowest_slots(const at::Tensor& priority, int64_t k) {
+  TORCH_CHECK(priority.scalar_type() == at::kFloat && priority.dim() == 3 && priority.size(1) == 1 && k > 0
+              && priority.size(2) > k, "lowest_slots: float32 priority [B, 1, S] with S > k > 0");
+  const int64_t B = priority.size(0), S = priority.size(2);
+  const at::Tensor pc = priority.contiguous();
+  at::Tensor slots = at::empty({B, 1, k}, priority.options().dtype(at::kLong));
+  at::Tensor tied = at::zeros({B}, priority.options().dtype(at::kBool));
+  const float* pp = pc.data_ptr<float>();
+  int64_t* sp = slots.data_ptr<int64_t>();
+  bool* tp = tied.data_ptr<bool>();
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> value(k + 1);
+    std::vector<int64_t> index(k + 1);
+    for (int64_t b = begin; b < end; ++b) {
+      std::fill(value.begin(), value.end(), std::numeric_limits<float>::infinity());
+      std::fill(index.begin(), index.end(), -1);
+      const float* row = pp + b * S;
+      for (int64_t s = 0; s < S; ++s) {
+        const float x = row[s];
+        if (!(x < value[k])) continue;  // not among the k + 1 lowest so far (or nan)
+        int64_t i = k;
+        for (; i > 0 && x < value[i - 1]; --i) {
+          value[i] = value[i - 1];
+          index[i] = index[i - 1];
+        }
+        value[i] = x;
+        index[i] = s;
+      }
+      // an infinite k-th lowest is equal to the next too (or stands for slots never seen): tied either way
+      tp[b] = value[k - 1] == value[k];
+      std::sort(index.begin(), index.begin() + k);
+      std::copy(index.begin(), index.begin() + k, sp + b * k);
+    }
+  });
+  return {slots, tied.any()};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(h2o_kv, m) {
   m.def("pooled_attend_one(Tensor q, Tensor keys, Tensor values, Tensor head, Tensor pos, int heads, "
         "float softcap) -> Tensor[]",
         &pooled_attend_one);
+  m.def("lowest_slots(Tensor priority, int k) -> Tensor[]", &lowest_slots);
 }

@@ -8,7 +8,8 @@ or read memory slower, than needed.
 - `pooled_attend_one` (`csrc/pooled_attend.cpp`): over a head-pooled row (pooled.py, AdaKV). The eager
   path computes every query head against every slot of the row and masks the other heads' slots (3x the
   products of a uniform layer on SmolLM2); this kernel computes each query head against its own head's
-  slots only, reading the row once in the order it lies in memory.
+  slots only, reading the row once in the order it lies in memory; and `lowest_slots`, the slots such a row
+  frees at a decode step (one pass in place of torch's topk, sort and compare).
 - `rows_linear` (`csrc/rows_linear.cpp`): a linear layer for the few rows of a decode step (rows_first.py).
   MKL's products at 4 rows read the weights at about half the memory's speed; this kernel streams each
   weight row once.

@@ -6,6 +6,7 @@
 // whichever slots the last eviction freed). Reading one head's slots at a time, as attend_one reads a uniform
 // layer's rows, jumps through memory and ran at its latency (a fifth slower than attend_one over the same
 // bytes); this kernel reads the row once in slot order, in chunks that run in parallel on torch's threads.
+// Also here: lowest_slots, the slots a full head-pooled row frees at each decode step.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -194,6 +194,14 @@ class KVLayer(Rows, CacheLayerMixin):
         batch, heads = slots.shape[:2]
         self.kept_bound += 1
         self._write(slots, keys, values, qpos.view(batch, 1, 1).expand(batch, heads, 1), zeroed=True)
+        out, valid = self._attend_steady(query, qpos, scaling=scaling, softcap=softcap)
+        self._evict_one(valid, self.slot_state(self.next_pos))
+        return out
+
+    def _attend_steady(self, query: torch.Tensor, qpos: torch.Tensor, *, scaling: float, softcap: float | None):
+        """A steady decode step's attention with its scores added (`_decode_full`, here and pooled.py's); returns
+        the output and which slots hold a token, None once every one does (`packed`: all rows at one capacity,
+        all reached; each step then evicts what it adds, so it stays so)."""
         policy, packed = self.policy, self.packed is self.pos
         out, scores, last = self._attend(query, qpos, scaling=scaling, softcap=softcap, full=packed,
                                          want_scores=policy.needs_scores, want_last=policy.needs_last)  # fmt: skip
@@ -203,9 +211,8 @@ class KVLayer(Rows, CacheLayerMixin):
             self.last = last
         valid = None if packed else self.pos >= 0
         if not packed and self.min_capacity == self.max_capacity and bool(valid.all()):  # a sync, until packed
-            self.packed = self.pos  # every head now holds capacity + 1 tokens, evicts one and gets one back
-        self._evict_one(valid, self.slot_state(self.next_pos))
-        return out
+            self.packed = self.pos
+        return out, valid
 
     def _add_scores(self, scores: torch.Tensor, queries: int, observed: bool, new_from: int | None) -> None:
         """Accumulate a call's attention into the scores: decayed old scores; an observed (multi-token)

@@ -72,16 +72,7 @@ class PooledKVLayer(KVLayer):
         rows = (batch, 1, heads)
         self._write(slots, keys.reshape(batch, 1, heads, dim), values.reshape(batch, 1, heads, values.shape[-1]),
                     qpos.view(batch, 1, 1).expand(rows), zeroed=True)  # fmt: skip
-        policy = self.policy
-        out, scores, last = self._attend(query, qpos, new_from=None, scaling=scaling, softcap=softcap,
-                                         want_scores=policy.needs_scores, want_last=policy.needs_last)  # fmt: skip
-        if scores is not None:
-            self._add_scores(scores, 1, observed=False, new_from=None)
-        if last is not None:
-            self.last = last
-        valid = None if self.packed is self.pos else self.pos >= 0
-        if valid is not None and self.min_capacity == self.max_capacity and bool(valid.all()):  # a sync, until packed
-            self.packed = self.pos  # every row holds capacity + heads tokens, evicts `heads` and gets them back
+        out, valid = self._attend_steady(query, qpos, scaling=scaling, softcap=softcap)
         next_pos = self.next_pos.view(-1, 1, 1)
         if not self._evict_row(valid, self.slot_state(next_pos)):
             KVLayer._evict(self, next_pos, None, 1)  # a tie at the boundary: the exact (sorted) order
@@ -120,7 +111,9 @@ class PooledKVLayer(KVLayer):
                 self.decode_tags = tags
         return tags
 
-    def _attend(self, query: torch.Tensor, positions: torch.Tensor, *, new_from: int | None, **options):
+    def _attend(self, query: torch.Tensor, positions: torch.Tensor, *, new_from: int | None = None, full: bool = False,
+                **options):  # fmt: skip
+        # `full` (every slot holds a token) changes nothing here: the row's slots are masked by head anyway
         if new_from == 0:  # the row holds just this call's tokens, token-major: attend per head, in order
             return self._attend_first(query, positions, **options)
         # later calls: a token is `heads` slots, so the kernel's in-order causal shortcut (new_from) does not apply

@@ -386,12 +386,16 @@ class KVLayer(Rows, CacheLayerMixin):
         `full`: every slot holds a token, nothing to mask)."""
         work = None  # decoding from int8 (or bfloat16 on a CPU): widened into the cache's buffer, not a fresh tensor
         dtype = compute_dtype(query.dtype, query.device)
-        native = self.settings.compile_kernel and query.device.type == "cpu"  # h2o-kv's C++ kernels (native.py)
+        native = self._kernels(query.device)
         reads_storage = native and self.head is None and native_rows(self.keys, dtype)  # no float copy to make
         if query.shape[2] == 1 and not reads_storage and (self.key_scale is not None or dtype != self.keys.dtype):
             work = self.settings.work(self.keys.numel() + self.values.numel(), dtype, query.device)
         return attend(query, self.keys, self.values, None if full else self.pos, positions, key_scale=self.key_scale,
                       value_scale=self.value_scale, work=work, native_kernels=native, **options)  # fmt: skip
+
+    def _kernels(self, device: torch.device) -> bool:
+        """Whether this layer's work on `device` runs h2o-kv's C++ kernels (native.py): CPU steps, when enabled."""
+        return self.settings.compile_kernel and device.type == "cpu"
 
     def nbytes(self) -> int:
         tensors = (self.keys, self.values, self.pos, self.score, self.last, self.key_scale, self.value_scale, self.head)

@@ -17,10 +17,11 @@ The price against `KVLayer`: the eager attention computes the logits for every (
 heads times the products of a uniform layer (the slots are still read once), with each KV head's mask
 added inside the product (`kernel.pooled_bias`); a decode step on a CPU runs h2o-kv's C++ kernel instead
 (`native.pooled_attend_one`: each query head against its own head's slots only, the row read once in
-slot order). A decode step's eviction takes the `heads + 1` lowest priorities of the row (topk) instead
-of one minimum per head, and the next step writes into the slots it freed (`vacant`). Once every row
-frees exactly `heads` slots a step (a full cache), decoding takes the steady path (`_decode_full`, as
-`KVLayer`'s): the new token's slots are the ones freed, and no count or empty-slot search is needed.
+slot order). A decode step's eviction takes the `heads + 1` lowest priorities of the row (topk, or on a
+CPU one C++ pass, `native.lowest_slots`) instead of one minimum per head, and the next step writes into
+the slots it freed (`vacant`). Once every row frees exactly `heads` slots a step (a full cache), decoding
+takes the steady path (`_decode_full`, as `KVLayer`'s): the new token's slots are the ones freed, and no
+count or empty-slot search is needed.
 """
 
 from __future__ import annotations
@@ -192,7 +193,7 @@ class PooledKVLayer(KVLayer):
         priority = self.policy.priority(state)
         if valid is not None:
             priority = torch.where(valid, priority, float("inf"))
-        if self.settings.compile_kernel and priority.device.type == "cpu" and priority.dtype == torch.float32:
+        if self._kernels(priority.device) and priority.dtype == torch.float32:
             slots, tied = native.lowest_slots(priority, self.spare)  # one pass for the four ops below
         else:
             lowest = torch.topk(priority, self.spare + 1, dim=-1, largest=False)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from . import native
 from .kernel import attend, compute_dtype, native_rows
 from .policies import SlotState
 from .quant import quantize
@@ -193,10 +194,30 @@ class KVLayer(Rows, CacheLayerMixin):
         slots, self.vacant = self.vacant[0], None
         batch, heads = slots.shape[:2]
         self.kept_bound += 1
+        recent = self._ranked_in_kernel(query)
+        if recent is not None:  # the same operations in one C++ pass per (sequence, KV head)
+            scales = None
+            if self.key_scale is not None:
+                (keys, values), scales = quantize(torch.stack((keys, values)))
+            out, freed = native.decode_step(query, self.keys, self.values, self.pos, self.score, self.last, slots, keys,
+                                            values, qpos, recent, self.capacity, scaling=scaling, softcap=softcap,
+                                            key_scale=self.key_scale, value_scale=self.value_scale, new_scales=scales)  # fmt: skip
+            self.vacant, self.kept_bound = (freed, self.pos), min(self.kept_bound, self.max_capacity)
+            return out.to(query.dtype)
         self._write(slots, keys, values, qpos.view(batch, 1, 1).expand(batch, heads, 1), zeroed=True)
         out, valid = self._attend_steady(query, qpos, scaling=scaling, softcap=softcap)
         self._evict_one(valid, self.slot_state(self.next_pos))
         return out
+
+    def _ranked_in_kernel(self, query: torch.Tensor) -> torch.Tensor | None:
+        """The policy's `protected_recent` when this steady decode step runs as one C++ pass (`native.decode_step`):
+        C++ kernels on this device that read this storage (float32 or int8), and a policy ranking by the
+        undecayed score with the newest tokens kept (H2O, SnapKV); None otherwise (the eager operations)."""
+        if not self._kernels(query.device) or self.policy.decay != 1.0:
+            return None
+        if not native_rows(self.keys, compute_dtype(query.dtype, query.device)):
+            return None
+        return self.policy.protected_recent(self.slot_state(self.next_pos))
 
     def _attend_steady(self, query: torch.Tensor, qpos: torch.Tensor, *, scaling: float, softcap: float | None):
         """A steady decode step's attention with its scores added (`_decode_full`, here and pooled.py's); returns

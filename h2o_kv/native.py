@@ -108,6 +108,45 @@ def attend_one(
     return out.view(batch, 1, q_heads, dim), scores, last
 
 
+def decode_step(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    pos: torch.Tensor,
+    score: torch.Tensor,
+    last: torch.Tensor | None,
+    slot: torch.Tensor,
+    new_keys: torch.Tensor,
+    new_values: torch.Tensor,
+    qpos: torch.Tensor,
+    recent: torch.Tensor,
+    capacity: torch.Tensor,
+    *,
+    scaling: float,
+    softcap: float | None = None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
+    new_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A uniform layer's steady decode step, one pass per (sequence, KV head) (`layer.KVLayer._decode_fused`),
+    in place on the layer's storage: keys/values [B, H, S, D] (float32, or int8 with key_scale/value_scale
+    [B, H, S]), pos, score and last [B, H, S]. The new token (new_keys/new_values [B, H, 1, D] in the storage's
+    dtype, int8 with `new_scales` [B, H, 1] each) goes into the empty slot [B, H, 1] at positions qpos [B, 1];
+    the query q [B, Hq, 1, D] attends over the row, the scores grow, and each row frees the oldest of its lowest
+    priorities: its score, +inf for the `recent` [B, 1, 1] newest positions (`Policy.protected_recent`), an empty
+    slot first within `capacity` [B, 1] and never over it. Returns the output [B, 1, Hq, D] and the freed slots
+    [B, H, 1]."""
+    load()
+    batch, q_heads, _, dim = q.shape
+    query = (q.float() * scaling).reshape(batch, q_heads, dim)
+    new_key_scale, new_value_scale = (None, None) if new_scales is None else new_scales
+    out, freed = torch.ops.h2o_kv.decode_step(
+        query, keys, values, key_scale, value_scale, pos, score, last, slot, new_keys, new_values, new_key_scale,
+        new_value_scale, qpos.view(-1), recent.view(-1), capacity.view(-1), 0.0 if softcap is None else softcap,
+    )  # fmt: skip
+    return out.view(batch, 1, q_heads, dim), freed
+
+
 def pooled_attend_one(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -128,6 +167,41 @@ def pooled_attend_one(
     cap = 0.0 if softcap is None else softcap
     out, scores, last = torch.ops.h2o_kv.pooled_attend_one(query, keys, values, slot_head, pos, heads, cap)
     return out.view(batch, 1, q_heads, dim), scores, last
+
+
+def pooled_decode_step(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    head: torch.Tensor,
+    pos: torch.Tensor,
+    score: torch.Tensor,
+    last: torch.Tensor | None,
+    slots: torch.Tensor,
+    new_keys: torch.Tensor,
+    new_values: torch.Tensor,
+    qpos: torch.Tensor,
+    recent: torch.Tensor,
+    *,
+    scaling: float,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """A head-pooled layer's steady decode step (pooled.py `_decode_full`), in place on its row (keys/values
+    [B, 1, S, D] float32, head [B, 1, S] int8, pos, score and last [B, 1, S]): the new token's `heads` keys and
+    values [B, 1, heads, D] go into the vacant `slots` [B, 1, heads] (head i into the i-th, ascending) at
+    positions qpos [B, 1], the query q [B, Hq, 1, D] attends (`pooled_attend_one`), the scores grow, and every
+    row frees its `heads` lowest priorities: the score, +inf for the `recent` [B, 1, 1] newest positions
+    (`Policy.protected_recent`). Returns the output [B, 1, Hq, D], the freed slots [B, 1, heads] in slot order,
+    and whether a row's heads-th and next lowest tie (then nothing was freed: the exact order says which go)."""
+    load()
+    batch, q_heads, _, dim = q.shape
+    query = (q * scaling).reshape(batch, q_heads, dim)
+    heads = slots.shape[-1]
+    out, freed, tied = torch.ops.h2o_kv.pooled_decode_step(
+        query, keys, values, head, pos, score, last, slots, new_keys, new_values, qpos.view(-1), recent.view(-1),
+        heads, 0.0 if softcap is None else softcap,
+    )  # fmt: skip
+    return out.view(batch, 1, q_heads, dim), freed, bool(tied)
 
 
 def lowest_slots(priority: torch.Tensor, k: int) -> tuple[torch.Tensor, bool]:

@@ -69,12 +69,23 @@ class PooledKVLayer(KVLayer):
         slots, self.vacant = self.vacant[0], None
         batch, heads, _, dim = keys.shape
         self.kept_bound += heads
+        next_pos = self.next_pos.view(-1, 1, 1)
+        recent = self._ranked_in_kernel(query)
+        if recent is not None and self.keys.dtype == query.dtype == torch.float32:  # the same operations, one C++ call
+            out, freed, tied = native.pooled_decode_step(query, self.keys, self.values, self.head, self.pos, self.score,
+                                                         self.last, slots, keys.reshape(batch, 1, heads, dim),
+                                                         values.reshape(batch, 1, heads, values.shape[-1]), qpos, recent,
+                                                         scaling=scaling, softcap=softcap)  # fmt: skip
+            if tied:  # nothing was freed: the exact (sorted) order
+                KVLayer._evict(self, next_pos, None, 1)
+            else:
+                self.vacant, self.kept_bound = (freed, self.pos), min(self.kept_bound, self.max_capacity)
+            return out
         self.head.scatter_(2, slots, self._tags(batch, 1))
         rows = (batch, 1, heads)
         self._write(slots, keys.reshape(batch, 1, heads, dim), values.reshape(batch, 1, heads, values.shape[-1]),
                     qpos.view(batch, 1, 1).expand(rows), zeroed=True)  # fmt: skip
         out, valid = self._attend_steady(query, qpos, scaling=scaling, softcap=softcap)
-        next_pos = self.next_pos.view(-1, 1, 1)
         if not self._evict_row(valid, self.slot_state(next_pos)):
             KVLayer._evict(self, next_pos, None, 1)  # a tie at the boundary: the exact (sorted) order
         return out

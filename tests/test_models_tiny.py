@@ -209,18 +209,32 @@ def test_forward_last_logits_equal_the_models_own(arch, softcap):
 STEADY = [h2o_kv.H2O(heavy=4, recent=4), h2o_kv.TOVA(budget=8), h2o_kv.SnapKV(budget=8)]
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "kernels"])
 @pytest.mark.parametrize("policy", STEADY, ids=lambda p: p.describe())
-def test_steady_decode_path_equals_the_general_one(arch, policy, monkeypatch):
-    """Once a layer is full, a decode step takes `KVLayer._decode_full` (no mask, no count once packed);
-    the general path gives the same logits and keeps the same tokens in the same slots."""
+def test_steady_decode_path_equals_the_general_one(arch, policy, native, monkeypatch):
+    """Once a layer is full, a decode step takes `KVLayer._decode_full`: torch's operations without mask or count
+    once packed, or with the C++ kernels and a policy ranking by score with the newest kept (H2O, SnapKV) one
+    `native.decode_step` pass per row (counted); the general path gives the same logits and keeps the same
+    tokens in the same slots."""
+    from h2o_kv import native as native_mod
+
+    calls = []
+    fused = native_mod.decode_step
+    monkeypatch.setattr(native_mod, "decode_step", lambda *args, **kwargs: calls.append(1) or fused(*args, **kwargs))
     model, ids = make_model(arch), random_ids(2, 30)
-    steady = h2o_kv.KVCache(policy)
+    steady = h2o_kv.KVCache(policy, compile_kernel=native)
     got = decode(model, ids, steady, prefill=12)
-    assert any(layer.packed is layer.pos for layer in steady.layers)  # the packed step was taken
+    in_kernel = native and type(policy).protected_recent is not h2o_kv.policies.Policy.protected_recent
+    if in_kernel:
+        assert len(calls) >= 10  # most decode steps (a sliding layer's take the general path)
+    else:
+        assert not calls and any(layer.packed is layer.pos for layer in steady.layers)  # the packed step was taken
     monkeypatch.setattr(h2o_kv.layer.KVLayer, "_full", lambda self: False)
-    general = h2o_kv.KVCache(policy)
+    general = h2o_kv.KVCache(policy, compile_kernel=native)
+    calls.clear()
     expected = decode(model, ids, general, prefill=12)
-    assert not any(layer.packed is layer.pos for layer in general.layers)
+    assert not calls and not any(layer.packed is layer.pos for layer in general.layers)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
     for a, b in zip(steady.layers, general.layers):
         assert torch.equal(a.pos, b.pos)
+        torch.testing.assert_close(a.score, b.score)

@@ -159,12 +159,14 @@ def test_adakv_refuses_what_means_nothing():
 
 def test_adakv_decodes_through_the_pooled_kernel_with_the_eager_results(arch, monkeypatch):
     """Where h2o-kv's C++ kernels can be built (here), AdaKV's head-pooled layers decode through
-    native.pooled_attend_one (counted), with the eager path's logits and kept tokens (compile_kernel=False)."""
+    native.pooled_attend_one, and once full through native.pooled_decode_step (both counted), with the eager
+    path's logits and kept tokens (compile_kernel=False)."""
     from h2o_kv import native
 
     calls = []
-    pooled = native.pooled_attend_one
-    monkeypatch.setattr(native, "pooled_attend_one", lambda *a, **k: calls.append(1) or pooled(*a, **k))
+    for name in ("pooled_attend_one", "pooled_decode_step"):
+        kernel = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *a, kernel=kernel, name=name, **k: calls.append(name) or kernel(*a, **k))
     model, ids = make_model(arch), random_ids(2, 40)
     policy = AdaKV(h2o_kv.H2O(heavy=6, recent=4))
     caches = h2o_kv.KVCache(policy, compile_kernel=False), h2o_kv.KVCache(policy)
@@ -176,6 +178,6 @@ def test_adakv_decodes_through_the_pooled_kernel_with_the_eager_results(arch, mo
             logits.append(torch.cat(steps, dim=1))
             assert bool(calls) == (cache is caches[1])
     torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
-    assert len(calls) >= 20
+    assert len(calls) >= 20 and "pooled_decode_step" in calls
     for a, b in zip(caches[1].layers, caches[0].layers):
         assert torch.equal(a.pos.sort(-1).values, b.pos.sort(-1).values)

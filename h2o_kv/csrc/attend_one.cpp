@@ -107,37 +107,42 @@ void softmax(float* x, int64_t n) {
   at::vec::map([inv](Vec a) { return a * Vec(inv); }, x, x, n);
 }
 
-// One (sequence, KV head) row per task: the G query heads' logits, softmax, output, and the slots' summed
-// (scores) and averaged (last) probabilities. KV is float32, or int8 widened in registers as it is read, with
-// its per-slot scales applied to the logits (q . k8_j * s_j) and folded into the output's weights (p_j t_j).
+// One (sequence, KV head) row: its G query heads' logits, softmax (into probs [G, S]) and outputs (out [G, D]).
+// KV is float32, or int8 widened in registers as it is read, with its per-slot scales applied to the logits
+// (q . k8_j * s_j) and folded into the output's weights (p_j t_j, in `weights` [S]). slot_pos masks empty slots.
+template <typename KV>
+void attend_row(const float* q, const KV* keys, const KV* values, const float* ks, const float* vs,
+                const int64_t* slot_pos, int64_t S, int64_t D, int64_t G, float cap, float* out, float* probs,
+                float* weights) {
+  const float hidden = -std::numeric_limits<float>::infinity();
+  for (int64_t g = 0; g < G; ++g) {
+    float* p = probs + g * S;
+    dots(q + g * D, keys, S, D, p);
+    for (int64_t s = 0; s < S; ++s) {
+      float x = ks ? p[s] * ks[s] : p[s];
+      if (cap > 0.f) x = std::tanh(x / cap) * cap;
+      p[s] = slot_pos && slot_pos[s] < 0 ? hidden : x;
+    }
+    softmax(p, S);
+    const float* w = p;
+    if (vs) {
+      for (int64_t s = 0; s < S; ++s) weights[s] = p[s] * vs[s];
+      w = weights;
+    }
+    weighted_sum(w, values, S, D, out + g * D);
+  }
+}
+
+// One row per task (attend_row), the slots' summed (scores) and averaged (last) probabilities written out.
 template <typename KV>
 void attend_rows(const float* qp, const KV* kp, const KV* vp, const float* ksp, const float* vsp, const int64_t* pp,
                  int64_t B, int64_t H, int64_t S, int64_t D, int64_t G, float cap, float* op, float* sp, float* lp) {
-  const float hidden = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> probs(G * S), weights(vsp ? S : 0);  // one row's probabilities (and scaled ones)
     for (int64_t r = begin; r < end; ++r) {
-      const KV* keys = kp + r * S * D;
-      const KV* values = vp + r * S * D;
-      const float* ks = ksp ? ksp + r * S : nullptr;
-      const float* vs = vsp ? vsp + r * S : nullptr;
-      const int64_t* slot_pos = pp ? pp + r * S : nullptr;
-      for (int64_t g = 0; g < G; ++g) {
-        float* p = probs.data() + g * S;
-        dots(qp + (r * G + g) * D, keys, S, D, p);
-        for (int64_t s = 0; s < S; ++s) {
-          float x = ks ? p[s] * ks[s] : p[s];
-          if (cap > 0.f) x = std::tanh(x / cap) * cap;
-          p[s] = slot_pos && slot_pos[s] < 0 ? hidden : x;
-        }
-        softmax(p, S);
-        const float* w = p;
-        if (vs) {
-          for (int64_t s = 0; s < S; ++s) weights[s] = p[s] * vs[s];
-          w = weights.data();
-        }
-        weighted_sum(w, values, S, D, op + (r * G + g) * D);
-      }
+      attend_row(qp + r * G * D, kp + r * S * D, vp + r * S * D, ksp ? ksp + r * S : nullptr,
+                 vsp ? vsp + r * S : nullptr, pp ? pp + r * S : nullptr, S, D, G, cap, op + r * G * D, probs.data(),
+                 weights.data());
       for (int64_t s = 0; s < S; ++s) {
         float total = 0.f;
         for (int64_t g = 0; g < G; ++g) total += probs[g * S + s];
@@ -186,10 +191,127 @@ std::vector<at::Tensor> attend_one(const at::Tensor& q, const at::Tensor& keys, 
   return {out, scores, last};
 }
 
+// A uniform layer's steady decode step (layer.KVLayer._decode_fused), in place, one (sequence, KV head) row per
+// task, each row's work in the order of the eager path's operations: the new token (new_keys, new_values
+// [B, H, 1, D] in the storage's dtype, with their scales for int8) goes into the row's vacant slot `slot`
+// [B, H, 1] at position qpos [B]; the G query heads attend (attend_row, empty slots masked); each slot's score
+// gains the probability its query heads paid (and `last` gets their mean, when given); then the row frees the
+// oldest of its lowest priorities, where a kept token's priority is its score, or +inf for the `recent` [B]
+// newest positions (H2O's and SnapKV's ranking, policies' `protected_recent`), and an empty slot ranks -inf
+// in a row within its capacity [B] (it is "freed" instead) and +inf in a row over it. Returns the output
+// [B, Hq, D] and the freed slots [B, H, 1] (where the next step writes).
+std::vector<at::Tensor> decode_step(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                                    const std::optional<at::Tensor>& key_scale,
+                                    const std::optional<at::Tensor>& value_scale, const at::Tensor& pos, const at::Tensor& score,
+                                    const std::optional<at::Tensor>& last, const at::Tensor& slot,
+                                    const at::Tensor& new_keys, const at::Tensor& new_values,
+                                    const std::optional<at::Tensor>& new_key_scale,
+                                    const std::optional<at::Tensor>& new_value_scale, const at::Tensor& qpos,
+                                    const at::Tensor& recent, const at::Tensor& capacity, double softcap) {
+  const bool int8 = keys.scalar_type() == at::kChar;
+  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == values.scalar_type()
+              && (int8 || keys.scalar_type() == at::kFloat) && new_keys.scalar_type() == keys.scalar_type()
+              && new_values.scalar_type() == keys.scalar_type(),
+              "decode_step: float32 q, int8 or float32 keys/values and new ones alike");
+  TORCH_CHECK(int8 == (key_scale && value_scale && new_key_scale && new_value_scale),
+              "decode_step: int8 storage comes with its scales and the new tokens' scales, float32 without");
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && keys.sizes() == values.sizes() && keys.size(0) == q.size(0)
+              && keys.size(3) == q.size(2) && q.size(1) % keys.size(1) == 0, "decode_step: shapes do not match");
+  const int64_t B = keys.size(0), H = keys.size(1), S = keys.size(2), D = keys.size(3), G = q.size(1) / H;
+  TORCH_CHECK(new_keys.numel() == B * H * D && new_values.numel() == B * H * D && slot.numel() == B * H
+              && pos.sizes() == score.sizes() && pos.size(0) == B && pos.size(1) == H && pos.size(2) == S
+              && qpos.numel() == B && recent.numel() == B && capacity.numel() == B,
+              "decode_step: shapes do not match");
+  for (const at::Tensor* t : {&keys, &values, &pos, &score}) {
+    TORCH_CHECK(t->is_contiguous(), "decode_step: the layer's storage must be contiguous (it is written in place)");
+  }
+  TORCH_CHECK(pos.scalar_type() == at::kLong && score.scalar_type() == at::kFloat && slot.scalar_type() == at::kLong
+              && qpos.scalar_type() == at::kLong && recent.scalar_type() == at::kLong
+              && capacity.scalar_type() == at::kLong, "decode_step: int64 pos, slots and positions, float32 score");
+  if (last) TORCH_CHECK(last->sizes() == score.sizes() && last->is_contiguous() && last->scalar_type() == at::kFloat,
+                        "decode_step: last like score");
+  if (int8) TORCH_CHECK(key_scale->is_contiguous() && value_scale->is_contiguous() && key_scale->sizes() == pos.sizes()
+                        && value_scale->sizes() == pos.sizes(), "decode_step: scales like pos, contiguous");
+  const at::Tensor qc = q.contiguous(), sc = slot.contiguous(), qposc = qpos.contiguous();
+  const at::Tensor rc = recent.contiguous(), cc = capacity.contiguous();
+  const at::Tensor nk = new_keys.contiguous(), nv = new_values.contiguous();
+  const at::Tensor nks = int8 ? new_key_scale->contiguous() : at::Tensor();
+  const at::Tensor nvs = int8 ? new_value_scale->contiguous() : at::Tensor();
+  const int64_t* slots = sc.data_ptr<int64_t>();
+  for (int64_t r = 0; r < B * H; ++r) TORCH_CHECK(slots[r] >= 0 && slots[r] < S, "decode_step: a slot out of range");
+  at::Tensor out = at::empty({B, G * H, D}, q.options());
+  at::Tensor victims = at::empty({B, H, 1}, slot.options());
+  const float* qp = qc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  int64_t* pp = pos.data_ptr<int64_t>();
+  float* scp = score.data_ptr<float>();
+  float* lp = last ? last->data_ptr<float>() : nullptr;
+  float* ksp = int8 ? key_scale->data_ptr<float>() : nullptr;
+  float* vsp = int8 ? value_scale->data_ptr<float>() : nullptr;
+  const int64_t *qposp = qposc.data_ptr<int64_t>(), *rp = rc.data_ptr<int64_t>(), *cp = cc.data_ptr<int64_t>();
+  int64_t* vp = victims.data_ptr<int64_t>();
+  const float cap = static_cast<float>(softcap);
+  auto run = [&](auto* kp, auto* valp, const auto* nkp, const auto* nvp) {
+    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> probs(G * S), weights(int8 ? S : 0);
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t b = r / H, s0 = slots[r];
+        int64_t* rpos = pp + r * S;
+        float* rscore = scp + r * S;
+        float* rlast = lp ? lp + r * S : nullptr;
+        std::copy(nkp + r * D, nkp + (r + 1) * D, kp + (r * S + s0) * D);
+        std::copy(nvp + r * D, nvp + (r + 1) * D, valp + (r * S + s0) * D);
+        if (int8) {
+          ksp[r * S + s0] = nks.data_ptr<float>()[r];
+          vsp[r * S + s0] = nvs.data_ptr<float>()[r];
+        }
+        rpos[s0] = qposp[b];
+        attend_row(qp + r * G * D, kp + r * S * D, valp + r * S * D, ksp ? ksp + r * S : nullptr,
+                   vsp ? vsp + r * S : nullptr, rpos, S, D, G, cap, op + r * G * D, probs.data(), weights.data());
+        int64_t kept = 0;
+        for (int64_t s = 0; s < S; ++s) {
+          float total = 0.f;
+          for (int64_t g = 0; g < G; ++g) total += probs[g * S + s];
+          rscore[s] += total;
+          if (rlast) rlast[s] = total / static_cast<float>(G);
+          kept += rpos[s] >= 0;
+        }
+        const float empty = kept > cp[b] ? std::numeric_limits<float>::infinity()
+                                         : -std::numeric_limits<float>::infinity();
+        const int64_t newest = qposp[b] + 1 - rp[b];  // next_pos - recent: kept whatever their score
+        int64_t victim = 0;
+        float best = 0.f;
+        for (int64_t s = 0; s < S; ++s) {  // the lowest priority, the oldest (then the first slot) among equals
+          const float pr = rpos[s] < 0 ? empty : rpos[s] >= newest ? std::numeric_limits<float>::infinity() : rscore[s];
+          if (s == 0 || pr < best || (pr == best && rpos[s] < rpos[victim])) {
+            best = pr;
+            victim = s;
+          }
+        }
+        rpos[victim] = -1;
+        rscore[victim] = 0.f;
+        if (rlast) rlast[victim] = 0.f;
+        vp[r] = victim;
+      }
+    });
+  };
+  if (int8) {
+    run(keys.data_ptr<int8_t>(), values.data_ptr<int8_t>(), nk.data_ptr<int8_t>(), nv.data_ptr<int8_t>());
+  } else {
+    run(keys.data_ptr<float>(), values.data_ptr<float>(), nk.data_ptr<float>(), nv.data_ptr<float>());
+  }
+  return {out, victims};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(h2o_kv, m) {
   m.def("attend_one(Tensor q, Tensor keys, Tensor values, Tensor? key_scale, Tensor? value_scale, Tensor? pos, "
         "float softcap) -> Tensor[]",
         &attend_one);
+  m.def("decode_step(Tensor q, Tensor(a!) keys, Tensor(b!) values, Tensor(c!)? key_scale, Tensor(d!)? value_scale, "
+        "Tensor(e!) pos, Tensor(f!) score, Tensor(g!)? last, Tensor slot, Tensor new_keys, Tensor new_values, "
+        "Tensor? new_key_scale, Tensor? new_value_scale, Tensor qpos, Tensor recent, Tensor capacity, "
+        "float softcap) -> Tensor[]",
+        &decode_step);
 }

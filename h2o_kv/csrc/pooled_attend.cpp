@@ -246,6 +246,28 @@ std::vector<at::Tensor> pooled_attend_one(const at::Tensor& q, const at::Tensor&
   return {out, scores, last};
 }
 
+// One row's `k` lowest of `priority` [S] as slot indices in ascending slot order (into `slots` [k]), in one pass
+// keeping the k + 1 lowest (`value`, `index`: [k + 1] scratch); returns whether the k-th and (k+1)-th lowest
+// are equal (an infinite k-th lowest is equal to the next too, or stands for slots never seen: tied either way).
+bool row_lowest(const float* priority, int64_t S, int64_t k, float* value, int64_t* index, int64_t* slots) {
+  std::fill(value, value + k + 1, std::numeric_limits<float>::infinity());
+  std::fill(index, index + k + 1, -1);
+  for (int64_t s = 0; s < S; ++s) {
+    const float x = priority[s];
+    if (!(x < value[k])) continue;  // not among the k + 1 lowest so far (or nan)
+    int64_t i = k;
+    for (; i > 0 && x < value[i - 1]; --i) {
+      value[i] = value[i - 1];
+      index[i] = index[i - 1];
+    }
+    value[i] = x;
+    index[i] = s;
+  }
+  std::sort(index, index + k);
+  std::copy(index, index + k, slots);
+  return value[k - 1] == value[k];
+}
+
 // A decode step's eviction over head-pooled rows (pooled.py `_evict_row`): priority [B, 1, S] float32, each
 // row's `k` lowest priorities (the slots it frees), as slot indices [B, 1, k] in ascending slot order, and
 // whether any row's k-th and (k+1)-th lowest are equal (then which slot goes is the exact order's to say, and
@@ -263,28 +285,92 @@ std::vector<at::Tensor> lowest_slots(const at::Tensor& priority, int64_t k) {
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> value(k + 1);
     std::vector<int64_t> index(k + 1);
-    for (int64_t b = begin; b < end; ++b) {
-      std::fill(value.begin(), value.end(), std::numeric_limits<float>::infinity());
-      std::fill(index.begin(), index.end(), -1);
-      const float* row = pp + b * S;
-      for (int64_t s = 0; s < S; ++s) {
-        const float x = row[s];
-        if (!(x < value[k])) continue;  // not among the k + 1 lowest so far (or nan)
-        int64_t i = k;
-        for (; i > 0 && x < value[i - 1]; --i) {
-          value[i] = value[i - 1];
-          index[i] = index[i - 1];
-        }
-        value[i] = x;
-        index[i] = s;
-      }
-      // an infinite k-th lowest is equal to the next too (or stands for slots never seen): tied either way
-      tp[b] = value[k - 1] == value[k];
-      std::sort(index.begin(), index.begin() + k);
-      std::copy(index.begin(), index.begin() + k, sp + b * k);
-    }
+    for (int64_t b = begin; b < end; ++b) tp[b] = row_lowest(pp + b * S, S, k, value.data(), index.data(), sp + b * k);
   });
   return {slots, tied.any()};
+}
+
+// A head-pooled layer's steady decode step (pooled.py `_decode_full`), in place, in the eager path's order: the
+// new token's `heads` keys and values (new_keys, new_values [B, 1, heads, D]) go into the row's vacant slots
+// `slot` [B, 1, heads] (ascending: head i into the i-th) at position qpos [B]; the query heads attend
+// (pooled_attend_one); each slot's score gains what its head's queries paid (`last` gets their mean, when
+// given); then every row's `heads` lowest priorities are freed, where a kept token's priority is its score, or
+// +inf for the `recent` [B] newest positions, and an empty slot's +inf. If any row's heads-th and next lowest
+// tie, nothing is freed (the caller takes the exact order). Returns out [B, Hq, D], the freed slots
+// [B, 1, heads] and the tie flag.
+std::vector<at::Tensor> pooled_decode_step(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                                           const at::Tensor& head, const at::Tensor& pos, const at::Tensor& score,
+                                           const std::optional<at::Tensor>& last, const at::Tensor& slot,
+                                           const at::Tensor& new_keys, const at::Tensor& new_values,
+                                           const at::Tensor& qpos, const at::Tensor& recent, int64_t heads,
+                                           double softcap) {
+  TORCH_CHECK(keys.dim() == 4 && keys.size(1) == 1 && keys.sizes() == values.sizes() && heads > 0
+              && pos.dim() == 3 && pos.sizes() == score.sizes() && pos.sizes() == head.sizes()
+              && pos.size(0) == keys.size(0) && pos.size(2) == keys.size(2) && slot.numel() == keys.size(0) * heads
+              && new_keys.numel() == slot.numel() * keys.size(3) && new_values.sizes() == new_keys.sizes()
+              && qpos.numel() == keys.size(0) && recent.numel() == keys.size(0),
+              "pooled_decode_step: shapes do not match");
+  TORCH_CHECK(keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat && score.scalar_type() == at::kFloat
+              && new_keys.scalar_type() == at::kFloat && new_values.scalar_type() == at::kFloat
+              && head.scalar_type() == at::kChar && pos.scalar_type() == at::kLong && slot.scalar_type() == at::kLong
+              && qpos.scalar_type() == at::kLong && recent.scalar_type() == at::kLong,
+              "pooled_decode_step: float32 storage and new tokens, int8 head tags, int64 pos, slots and positions");
+  for (const at::Tensor* t : {&keys, &values, &head, &pos, &score})
+    TORCH_CHECK(t->is_contiguous(), "pooled_decode_step: the layer's storage must be contiguous (written in place)");
+  if (last) TORCH_CHECK(last->sizes() == score.sizes() && last->is_contiguous() && last->scalar_type() == at::kFloat,
+                        "pooled_decode_step: last like score");
+  const int64_t B = keys.size(0), S = keys.size(2), D = keys.size(3);
+  const at::Tensor sc = slot.contiguous(), nk = new_keys.contiguous(), nv = new_values.contiguous();
+  const at::Tensor qposc = qpos.contiguous(), rc = recent.contiguous();
+  const int64_t* slots = sc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < B * heads; ++i) TORCH_CHECK(slots[i] >= 0 && slots[i] < S, "pooled_decode_step: a slot out of range");
+  float* kp = keys.data_ptr<float>();
+  float* vp = values.data_ptr<float>();
+  int8_t* hp = head.data_ptr<int8_t>();
+  int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t* qposp = qposc.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t i = 0; i < heads; ++i) {
+      const int64_t s = slots[b * heads + i], from = (b * heads + i) * D;
+      std::copy(nk.data_ptr<float>() + from, nk.data_ptr<float>() + from + D, kp + (b * S + s) * D);
+      std::copy(nv.data_ptr<float>() + from, nv.data_ptr<float>() + from + D, vp + (b * S + s) * D);
+      hp[b * S + s] = static_cast<int8_t>(i);
+      pp[b * S + s] = qposp[b];
+    }
+  }
+  std::vector<at::Tensor> attended = pooled_attend_one(q, keys, values, head, pos, heads, softcap);
+  const float* added = attended[1].data_ptr<float>();
+  const float* mean = attended[2].data_ptr<float>();
+  float* scp = score.data_ptr<float>();
+  float* lp = last ? last->data_ptr<float>() : nullptr;
+  const int64_t* rp = rc.data_ptr<int64_t>();
+  at::Tensor freed = at::empty({B, 1, heads}, slot.options());
+  int64_t* fp = freed.data_ptr<int64_t>();
+  std::vector<char> tied(B);
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> priority(S), value(heads + 1);
+    std::vector<int64_t> index(heads + 1);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t newest = qposp[b] + 1 - rp[b];  // next_pos - recent: kept whatever their score
+      for (int64_t s = 0; s < S; ++s) {
+        const int64_t at = b * S + s;
+        scp[at] += added[at];
+        if (lp) lp[at] = mean[at];
+        priority[s] = pp[at] < 0 || pp[at] >= newest ? std::numeric_limits<float>::infinity() : scp[at];
+      }
+      tied[b] = row_lowest(priority.data(), S, heads, value.data(), index.data(), fp + b * heads);
+    }
+  });
+  const bool any_tie = std::any_of(tied.begin(), tied.end(), [](char t) { return t != 0; });
+  if (!any_tie) {
+    for (int64_t i = 0; i < B * heads; ++i) {
+      const int64_t at = (i / heads) * S + fp[i];
+      pp[at] = -1;
+      scp[at] = 0.f;
+      if (lp) lp[at] = 0.f;
+    }
+  }
+  return {attended[0], freed, at::scalar_tensor(any_tie, at::TensorOptions().dtype(at::kBool))};
 }
 
 }  // namespace
@@ -294,4 +380,8 @@ TORCH_LIBRARY_FRAGMENT(h2o_kv, m) {
         "float softcap) -> Tensor[]",
         &pooled_attend_one);
   m.def("lowest_slots(Tensor priority, int k) -> Tensor[]", &lowest_slots);
+  m.def("pooled_decode_step(Tensor q, Tensor(a!) keys, Tensor(b!) values, Tensor(c!) head, Tensor(d!) pos, "
+        "Tensor(e!) score, Tensor(f!)? last, Tensor slot, Tensor new_keys, Tensor new_values, Tensor qpos, "
+        "Tensor recent, int heads, float softcap) -> Tensor[]",
+        &pooled_decode_step);
 }

@@ -61,6 +61,12 @@ class Policy:
         layer at every decode step: compute what depends only on the prompt lengths with `per_prompt`."""
         raise NotImplementedError
 
+    def protected_recent(self, state: SlotState) -> torch.Tensor | None:
+        """`recent` [B, 1, 1] when `priority` is the score with the `recent` newest positions kept,
+        `torch.where(state.pos >= state.next_pos - recent, inf, state.score)` (H2O, SnapKV): a decode step on a
+        CPU then ranks inside h2o-kv's C++ kernel (`native.decode_step`). None for any other priority."""
+        return None
+
     def for_layer(self, layer_idx: int, config) -> Policy:
         """The policy layer `layer_idx` of a model with this `config` applies (per-layer budgets:
         `LayerBudgets`); the same policy in every layer by default."""

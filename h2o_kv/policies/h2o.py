@@ -95,6 +95,9 @@ class H2O(Policy):
             score = score / (state.next_pos - state.pos).clamp(min=1).to(score.dtype)
         return torch.where(is_recent, float("inf"), score)  # a new tensor in one kernel (masked_fill: copy, then fill)
 
+    def protected_recent(self, state: SlotState) -> torch.Tensor | None:
+        return None if self.normalize else per_prompt(state, "recent", lambda prompt_len: self.split(prompt_len)[1])
+
     def describe(self) -> str:
         options = (f", decay={self.decay:g}" if self.decay != 1.0 else "") + (", normalize" if self.normalize else "")
         return self._describe_size()[:-1] + options + ")"

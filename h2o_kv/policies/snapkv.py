@@ -60,8 +60,10 @@ class SnapKV(Policy):
         return tokens_of(self.budget, prompt_len)
 
     def priority(self, state: SlotState) -> torch.Tensor:
-        recent = per_prompt(state, "recent", lambda prompt_len: self.split(prompt_len)[1])
-        return torch.where(state.pos >= state.next_pos - recent, float("inf"), state.score)
+        return torch.where(state.pos >= state.next_pos - self.protected_recent(state), float("inf"), state.score)
+
+    def protected_recent(self, state: SlotState) -> torch.Tensor:
+        return per_prompt(state, "recent", lambda prompt_len: self.split(prompt_len)[1])
 
     def describe(self) -> str:
         shared = ", shared" if self.shared else ""

@@ -65,29 +65,29 @@ class PooledKVLayer(KVLayer):
                      scaling: float, softcap: float | None) -> torch.Tensor:  # fmt: skip
         """The steady decode step (`KVLayer._decode_full` for a row): the new token's `heads` slots [B, H, 1, D]
         go where the last step's eviction left `heads` empty slots in every row, each tagged with its head;
-        the query heads attend over the row, and every row frees `heads` slots again (`_evict_row`)."""
+        the query heads attend over the row, and every row frees `heads` slots again (`_evict_row`); on a CPU
+        with a policy ranking by score with the newest kept, all of it in one C++ call (`native.pooled_decode_step`)."""
         slots, self.vacant = self.vacant[0], None
         batch, heads, _, dim = keys.shape
         self.kept_bound += heads
         next_pos = self.next_pos.view(-1, 1, 1)
+        keys, values = keys.reshape(batch, 1, heads, dim), values.reshape(batch, 1, heads, values.shape[-1])
         recent = self._ranked_in_kernel(query)
         if recent is not None and self.keys.dtype == query.dtype == torch.float32:  # the same operations, one C++ call
-            out, freed, tied = native.pooled_decode_step(query, self.keys, self.values, self.head, self.pos, self.score,
-                                                         self.last, slots, keys.reshape(batch, 1, heads, dim),
-                                                         values.reshape(batch, 1, heads, values.shape[-1]), qpos, recent,
-                                                         scaling=scaling, softcap=softcap)  # fmt: skip
-            if tied:  # nothing was freed: the exact (sorted) order
-                KVLayer._evict(self, next_pos, None, 1)
-            else:
+            out, freed, tied = native.pooled_decode_step(
+                query, self.keys, self.values, self.head, self.pos, self.score, self.last, slots, keys, values, qpos,
+                recent, scaling=scaling, softcap=softcap,
+            )  # fmt: skip
+            if not tied:
                 self.vacant, self.kept_bound = (freed, self.pos), min(self.kept_bound, self.max_capacity)
-            return out
-        self.head.scatter_(2, slots, self._tags(batch, 1))
-        rows = (batch, 1, heads)
-        self._write(slots, keys.reshape(batch, 1, heads, dim), values.reshape(batch, 1, heads, values.shape[-1]),
-                    qpos.view(batch, 1, 1).expand(rows), zeroed=True)  # fmt: skip
-        out, valid = self._attend_steady(query, qpos, scaling=scaling, softcap=softcap)
-        if not self._evict_row(valid, self.slot_state(next_pos)):
-            KVLayer._evict(self, next_pos, None, 1)  # a tie at the boundary: the exact (sorted) order
+                return out
+        else:
+            self.head.scatter_(2, slots, self._tags(batch, 1))
+            self._write(slots, keys, values, qpos.view(batch, 1, 1).expand(batch, 1, heads), zeroed=True)
+            out, valid = self._attend_steady(query, qpos, scaling=scaling, softcap=softcap)
+            if self._evict_row(valid, self.slot_state(next_pos)):
+                return out
+        KVLayer._evict(self, next_pos, None, 1)  # a tie at the boundary (nothing freed): the exact (sorted) order
         return out
 
     def _insert(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> int | None:

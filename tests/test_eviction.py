@@ -70,11 +70,12 @@ def random_qkv(batch=1, total=16, q_heads=4, kv_heads=2, dim=8, seed=0):
 @pytest.mark.parametrize("name", sorted(POLICIES))
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 @pytest.mark.parametrize("mode", ["drop", "mask"])
-def test_layer_matches_reference(name, schedule, mode):
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "kernels"])
+def test_layer_matches_reference(name, schedule, mode, native):
     policy, capacity, params = POLICIES[name]
     q, k, v = random_qkv()
     chunks = SCHEDULES[schedule]
-    out, layer = run_layer(policy, q, k, v, chunks, mode=mode)
+    out, layer = run_layer(policy, q, k, v, chunks, mode=mode, native=native)  # native: the C++ kernels' steps
     ref_out, ref_kept = reference_layer(q[0], k[0], v[0], chunks, name, capacity, params)
     torch.testing.assert_close(out[0].double(), ref_out, atol=1e-5, rtol=1e-5)
     assert kept_positions(layer) == ref_kept

@@ -225,3 +225,129 @@ def test_lowest_slots_equal_topk_then_sort(k):
             assert torch.equal(slots, lowest.indices[..., :k].sort(dim=-1).values)
     with pytest.raises(RuntimeError, match="S > k"):
         native.lowest_slots(torch.rand(1, 1, 3), 3)
+
+
+def steady_state(batch, heads, slots, dim, seed, *, ties=False, within=False):
+    """A full layer's storage before a steady decode step: distinct positions per row, some empty slots, one
+    vacant (empty, score 0) slot per row for the new token; `ties`: scores on a few values; `within`: one
+    sequence's rows within their capacity (an empty slot is freed instead of a token)."""
+    gen = torch.Generator().manual_seed(seed)
+    keys, values = torch.randn(2, batch, heads, slots, dim, generator=gen)
+    pos = torch.stack([torch.randperm(3 * slots, generator=gen)[:slots] for _ in range(batch * heads)])
+    pos = pos.view(batch, heads, slots)
+    score = torch.rand(batch, heads, slots, generator=gen)
+    if ties:
+        score = (score * 3).floor()
+    pos[torch.rand(pos.shape, generator=gen) < 0.15] = -1
+    vacant = torch.randint(0, slots, (batch, heads, 1), generator=gen)
+    pos.scatter_(2, vacant, -1)
+    score = score.masked_fill(pos < 0, 0.0)
+    capacity = torch.full((batch, 1), slots // 2)
+    if within:
+        capacity[0] = slots
+    next_pos = torch.full((batch, 1), 3 * slots)
+    return keys, values, pos, score, vacant, capacity, next_pos
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
+@pytest.mark.parametrize("dim", [16, 20], ids=["vectors", "tail"])
+@pytest.mark.parametrize("case", ["plain", "ties", "within"])
+def test_decode_step_equals_the_eager_steady_step(case, dim, int8):
+    """native.decode_step (a full uniform layer's decode step in one C++ pass per row) writes the new token
+    into the vacant slot, attends, adds the scores and frees the oldest of the lowest priorities (score, the
+    `recent` newest kept; an empty slot first within capacity), exactly as the eager operations do
+    (steady.Steady._decode_full with compile_kernel=False: scatter, attention, add, amin/argmin, scatter)."""
+    from h2o_kv import native
+    from h2o_kv.quant import quantize
+
+    batch, heads, group, slots = 3, 2, 2, 24
+    state = steady_state(batch, heads, slots, dim, seed=dim, ties=case == "ties", within=case == "within")
+    keys, values, pos, score, vacant, capacity, qpos = state
+    gen = torch.Generator().manual_seed(1)
+    q = (
+        torch.zeros(batch, heads * group, 1, dim)
+        if case == "ties"
+        else torch.randn(batch, heads * group, 1, dim, generator=gen)
+    )
+    new_keys, new_values = torch.randn(2, batch, heads, 1, dim, generator=gen)
+    recent = torch.tensor([3, 5, 1]).view(batch, 1, 1)
+    key_scale = value_scale = new_scales = None
+    if int8:
+        (keys, key_scale), (values, value_scale) = quantize(keys), quantize(values)
+        (new_keys, new_values), new_scales = quantize(torch.stack((new_keys, new_values)))
+    mine = [t.clone() if t is not None else None for t in (keys, values, pos, score, key_scale, value_scale)]
+    out, freed = native.decode_step(q, mine[0], mine[1], mine[2], mine[3], None, vacant, new_keys, new_values, qpos,
+                                    recent, capacity, scaling=0.3, key_scale=mine[4], value_scale=mine[5],
+                                    new_scales=new_scales)  # fmt: skip
+    # the eager step
+    expand = vacant[..., None].expand(-1, -1, -1, dim)
+    keys.scatter_(2, expand, new_keys)
+    values.scatter_(2, expand, new_values)
+    if int8:
+        key_scale.scatter_(2, vacant, new_scales[0])
+        value_scale.scatter_(2, vacant, new_scales[1])
+    pos.scatter_(2, vacant, qpos.view(batch, 1, 1).expand(batch, heads, 1))
+    expected, added, _ = native.attend_one(q, keys, values, pos, scaling=0.3, key_scale=key_scale,
+                                           value_scale=value_scale)  # fmt: skip
+    score += added
+    valid = pos >= 0
+    over = valid.sum(-1, keepdim=True) > capacity.view(-1, 1, 1)
+    priority = torch.where(pos >= qpos.view(-1, 1, 1) + 1 - recent, float("inf"), score)
+    priority = torch.where(valid, priority, torch.where(over, float("inf"), float("-inf")))
+    lowest = priority.amin(-1, keepdim=True)
+    victim = torch.where(priority == lowest, pos, torch.iinfo(torch.int64).max).argmin(-1, keepdim=True)
+    before = pos.clone()
+    pos.scatter_(2, victim, -1)
+    score.scatter_(2, victim, 0.0)
+    torch.testing.assert_close(out, expected)
+    assert torch.equal(freed, victim)
+    for a, b in zip(mine, (keys, values, pos, score, key_scale, value_scale)):
+        assert (a is None and b is None) or torch.equal(a, b)
+    held = before.gather(2, freed)  # what each row freed: a token, or (within capacity) an empty slot
+    assert bool((held[0] < 0).all()) == (case == "within") and bool((held[1:] >= 0).all())
+    if case == "ties":  # rows with several lowest priorities: the oldest of them went
+        assert bool(((priority == lowest).sum(-1) > 1).any())
+
+
+@pytest.mark.parametrize("case", ["plain", "tie"])
+def test_pooled_decode_step_equals_the_eager_steady_step(case):
+    """native.pooled_decode_step (AdaKV's steady step in one C++ call) writes the new token's heads into the
+    vacant slots with their tags, attends (pooled_attend_one), adds the scores and frees each row's `heads`
+    lowest priorities (lowest_slots), as the eager operations do; on a tie at the boundary it frees nothing."""
+    from h2o_kv import native
+
+    batch, heads, group, slots, dim = 2, 3, 2, 40, 16
+    gen = torch.Generator().manual_seed(3)
+    keys, values = torch.randn(2, batch, 1, slots, dim, generator=gen)
+    tag = torch.randint(0, heads, (batch, 1, slots), generator=gen, dtype=torch.int8)
+    pos = torch.stack([torch.randperm(3 * slots, generator=gen)[:slots] for _ in range(batch)]).view(batch, 1, slots)
+    score = torch.rand(batch, 1, slots, generator=gen)
+    q = torch.randn(batch, heads * group, 1, dim, generator=gen)
+    if case == "tie":
+        score, q = (score * 2).floor(), torch.zeros_like(q)
+    vacant = torch.stack([torch.randperm(slots, generator=gen)[:heads].sort().values for _ in range(batch)])
+    vacant = vacant.view(batch, 1, heads)
+    pos.scatter_(2, vacant, -1)
+    score.scatter_(2, vacant, 0.0)
+    new_keys, new_values = torch.randn(2, batch, 1, heads, dim, generator=gen)
+    qpos, recent = torch.full((batch, 1), 3 * slots), torch.tensor([4, 2]).view(batch, 1, 1)
+    mine = [t.clone() for t in (keys, values, tag, pos, score)]
+    out, freed, tied = native.pooled_decode_step(q, *mine, None, vacant, new_keys, new_values, qpos, recent,
+                                                 scaling=0.3)  # fmt: skip
+    expand = vacant[..., None].expand(-1, -1, -1, dim)
+    keys.scatter_(2, expand, new_keys)
+    values.scatter_(2, expand, new_values)
+    tag.scatter_(2, vacant, torch.arange(heads, dtype=torch.int8).expand(batch, 1, heads))
+    pos.scatter_(2, vacant, qpos.view(batch, 1, 1).expand(batch, 1, heads))
+    expected, added, _ = native.pooled_attend_one(q, keys, values, tag, pos, heads, scaling=0.3)
+    score += added
+    priority = torch.where((pos < 0) | (pos >= qpos.view(-1, 1, 1) + 1 - recent), float("inf"), score)
+    lowest, expected_tie = native.lowest_slots(priority, heads)
+    assert tied == expected_tie == (case == "tie")
+    if not tied:
+        assert torch.equal(freed, lowest)
+        pos.scatter_(2, lowest, -1)
+        score.scatter_(2, lowest, 0.0)
+    torch.testing.assert_close(out, expected)
+    for a, b in zip(mine, (keys, values, tag, pos, score)):
+        assert torch.equal(a, b)

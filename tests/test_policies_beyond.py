@@ -42,11 +42,12 @@ SCHEDULES = {
 @pytest.mark.parametrize("name", sorted(POLICIES))
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 @pytest.mark.parametrize("mode", ["drop", "mask"])
-def test_layer_matches_reference(name, schedule, mode):
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "kernels"])
+def test_layer_matches_reference(name, schedule, mode, native):
     policy, rule, capacity, params = POLICIES[name]
     q, k, v = random_qkv(seed=3)
     chunks = SCHEDULES[schedule]
-    out, layer = run_layer(policy, q, k, v, chunks, mode=mode)
+    out, layer = run_layer(policy, q, k, v, chunks, mode=mode, native=native)  # native: the C++ kernels' steps
     ref_out, ref_kept = reference_layer(q[0], k[0], v[0], chunks, rule, capacity, params)
     torch.testing.assert_close(out[0].double(), ref_out, atol=1e-5, rtol=1e-5)
     assert kept_positions(layer) == ref_kept
@@ -166,7 +167,9 @@ def test_adakv_decodes_through_the_pooled_kernel_with_the_eager_results(arch, mo
     calls = []
     for name in ("pooled_attend_one", "pooled_decode_step"):
         kernel = getattr(native, name)
-        monkeypatch.setattr(native, name, lambda *a, kernel=kernel, name=name, **k: calls.append(name) or kernel(*a, **k))
+        monkeypatch.setattr(
+            native, name, lambda *a, kernel=kernel, name=name, **k: calls.append(name) or kernel(*a, **k)
+        )
     model, ids = make_model(arch), random_ids(2, 40)
     policy = AdaKV(h2o_kv.H2O(heavy=6, recent=4))
     caches = h2o_kv.KVCache(policy, compile_kernel=False), h2o_kv.KVCache(policy)

@@ -115,6 +115,7 @@ def layer_cases(draw):
         mode=draw(st.sampled_from(["drop", "mask"])),
         prefill_chunk=draw(st.one_of(st.none(), st.integers(1, 5))),
         window=draw(st.one_of(st.none(), st.integers(2, 8))),
+        native=draw(st.booleans()),  # CPU decode steps through h2o-kv's C++ kernels (native.py)
         seed=draw(st.integers(0, 2**16)),
     )
 
@@ -134,7 +135,8 @@ def test_layer_equals_reference_for_random_policies_batches_and_schedules(case):
         real[row, :pad] = False  # left padding inside the first call
 
     pooled = case["policy"].head_pooled
-    layer = (PooledKVLayer if pooled else KVLayer)(Settings(case["policy"], case["mode"], case["prefill_chunk"]), 0)
+    settings = Settings(case["policy"], case["mode"], case["prefill_chunk"], compile_kernel=case["native"])
+    layer = (PooledKVLayer if pooled else KVLayer)(settings, 0)
     rule, sized = spec(case["policy"])
     capacity = [sized(calls[0] - pad)[0] for pad in case["padding"]]
     outs, start = [], 0

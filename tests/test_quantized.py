@@ -211,7 +211,9 @@ def test_decoding_runs_the_kernel_with_the_eager_results(arch, monkeypatch, kv_d
     calls = []
     for name in ("attend_one", "decode_step"):  # a full layer's steady step runs the second (layer._decode_full)
         kernel = getattr(native, name)
-        monkeypatch.setattr(native, name, lambda *a, kernel=kernel, name=name, **k: calls.append(name) or kernel(*a, **k))
+        monkeypatch.setattr(
+            native, name, lambda *a, kernel=kernel, name=name, **k: calls.append(name) or kernel(*a, **k)
+        )
     model, ids = make_model(arch), random_ids(2, 40)
     policy = h2o_kv.H2O(heavy=8, recent=8)
     eager, cache = (

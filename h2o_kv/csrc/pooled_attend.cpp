@@ -24,53 +24,34 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int V = Vec::size();
 
-// A head-pooled row's decode step (h2o_kv/pooled.py, AdaKV): q [B, Hq, D] float32, already scaled; keys,
-// values [B, 1, S, D] float32 shared by the KV heads, head [B, 1, S] int8 each slot's KV head, pos [B, 1, S]
-// int64 (-1: empty). Query head i belongs to KV head i / G (G = Hq / heads) and attends over that head's
-// kept slots only. The row is read in slot order, the way it lies in memory (a head's slots are scattered
-// through it, and reading them head by head runs at the memory's latency, not its bandwidth):
+constexpr int64_t CHUNK = 256;  // slots per task in the passes over the row
+
+// Scratch memory that outlives a call (one per calling thread): a fresh buffer of this size is memory the OS
+// maps page by page at every layer's call.
+float* scratch(std::vector<float>& buffer, int64_t size) {
+  if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
+  return buffer.data();
+}
+
+// A head-pooled row's decode-step attention (h2o_kv/pooled.py, AdaKV): q [B, Hq, D] float32, already scaled;
+// keys, values [B, S, D] float32 shared by the KV heads, head [B, S] int8 each slot's KV head, pos [B, S] int64
+// (-1: empty). Query head i belongs to KV head i / G (G = Hq / heads) and attends over that head's kept slots
+// only. The row is read in slot order, the way it lies in memory (a head's slots are scattered through it, and
+// reading them head by head runs at the memory's latency, not its bandwidth):
 //   1. each slot's G logits, its own head's queries against its key (chunks of the row in parallel);
 //   2. per (sequence, query head): the max, exp and sum over that head's slots (small, in cache);
 //   3. each slot's value weighted into its head's G outputs (chunks in parallel, then summed in chunk order).
-// Returns out [B, Hq, D], scores [B, 1, S] (each slot's probabilities summed over its own head's queries; 0 on
-// empty slots) and last [B, 1, S] (their mean).
-constexpr int64_t CHUNK = 256;  // slots per task in the passes over the row
-
-std::vector<at::Tensor> pooled_attend_one(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                                          const at::Tensor& head, const at::Tensor& pos, int64_t heads,
-                                          double softcap) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat
-              && head.scalar_type() == at::kChar && pos.scalar_type() == at::kLong,
-              "pooled_attend_one: float32 q, keys and values, int8 head tags, int64 pos");
-  TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && keys.size(1) == 1 && keys.sizes() == values.sizes()
-              && keys.size(0) == q.size(0) && keys.size(3) == q.size(2) && heads > 0 && q.size(1) % heads == 0,
-              "pooled_attend_one: shapes do not match");
-  const int64_t B = keys.size(0), S = keys.size(2), D = keys.size(3), Hq = q.size(1), G = Hq / heads;
+// Writes out [B, Hq, D], each slot's probabilities summed over its own head's queries into sp [B, S] (0 on empty
+// slots), and their mean into lp [B, S] unless it is null.
+void pooled_attend(const float* qp, const float* kp, const float* vp, const int8_t* hp, const int64_t* pp, int64_t B,
+                   int64_t S, int64_t D, int64_t Hq, int64_t heads, float cap, float* op, float* sp, float* lp) {
+  const int64_t G = Hq / heads;
   const int64_t chunks = std::max<int64_t>(1, (S + CHUNK - 1) / CHUNK);
-  const at::Tensor qc = q.contiguous(), kc = keys.contiguous(), vc = values.contiguous();
-  const at::Tensor hc = head.contiguous(), pc = pos.contiguous();
-  at::Tensor probs = at::empty({B, G, S}, q.options());  // logits, then probabilities: [b][g][s]
-  at::Tensor slot_heads = at::empty({B, S}, q.options());  // a slot's head as a float, `heads` if empty
-  at::Tensor partial = at::empty({B, chunks, Hq, D}, q.options());
-  at::Tensor scores = at::empty({B, 1, S}, q.options());
-  at::Tensor last = at::empty({B, 1, S}, q.options());
-  const float* qp = qc.data_ptr<float>();
-  const float* kp = kc.data_ptr<float>();
-  const float* vp = vc.data_ptr<float>();
-  const int8_t* hp = hc.data_ptr<int8_t>();
-  const int64_t* pp = pc.data_ptr<int64_t>();
-  float* P = probs.data_ptr<float>();
-  float* which = slot_heads.data_ptr<float>();
-  float* part = partial.data_ptr<float>();
-  float* sp = scores.data_ptr<float>();
-  float* lp = last.data_ptr<float>();
-  const float cap = static_cast<float>(softcap);
+  thread_local std::vector<float> probs_buffer, which_buffer, partial_buffer;
+  float* P = scratch(probs_buffer, B * G * S);  // logits, then probabilities: [b][g][s]
+  float* which = scratch(which_buffer, B * S);  // a slot's head as a float, `heads` if empty
+  float* part = scratch(partial_buffer, B * chunks * Hq * D);
   const float hidden = -std::numeric_limits<float>::infinity();
-  // a slot's KV head, or -1 for an empty slot (or a tag out of range)
-  auto head_of = [&](int64_t b, int64_t s) -> int64_t {
-    const int64_t h = hp[b * S + s];
-    return pp[b * S + s] >= 0 && h >= 0 && h < heads ? h : -1;
-  };
   // 1. logits, slot order
   at::parallel_for(0, B * chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
@@ -78,6 +59,13 @@ std::vector<at::Tensor> pooled_attend_one(const at::Tensor& q, const at::Tensor&
       const float* keys_b = kp + b * S * D;
       const float* q_b = qp + b * Hq * D;
       float* P_b = P + b * G * S;
+      float* which_b = which + b * S;
+      for (int64_t s = s_begin; s < s_end; ++s) {  // a slot's head, `heads` for an empty slot (or a tag out of range)
+        const int64_t h = hp[b * S + s];
+        which_b[s] = static_cast<float>(pp[b * S + s] >= 0 && h >= 0 && h < heads ? h : heads);
+      }
+      // a slot's queries (an empty slot's are head 0's: masked below)
+      auto queries = [&](int64_t s) { return q_b + (which_b[s] < heads ? static_cast<int64_t>(which_b[s]) : 0) * G * D; };
       int64_t s0 = s_begin;
       if (D % V == 0) {  // V slots at a time, each against its own head's query g: V independent sums over D
         alignas(64) float partial_dots[V * V], columns[V * V];
@@ -85,7 +73,7 @@ std::vector<at::Tensor> pooled_attend_one(const at::Tensor& q, const at::Tensor&
           const float *k[V], *qh[V];
           for (int j = 0; j < V; ++j) {
             k[j] = keys_b + (s0 + j) * D;
-            qh[j] = q_b + std::max<int64_t>(head_of(b, s0 + j), 0) * G * D;  // an empty slot: masked below
+            qh[j] = queries(s0 + j);
           }
           for (int64_t g = 0; g < G; ++g) {
             Vec acc[V];
@@ -102,22 +90,19 @@ std::vector<at::Tensor> pooled_attend_one(const at::Tensor& q, const at::Tensor&
         }
       }
       for (; s0 < s_end; ++s0) {  // the last slots of the chunk (all of them when D is not a multiple of V)
-        const int64_t h = std::max<int64_t>(head_of(b, s0), 0);
         const float* k = keys_b + s0 * D;
         for (int64_t g = 0; g < G; ++g) {
-          const float* qg = q_b + (h * G + g) * D;
+          const float* qg = queries(s0) + g * D;
           float sum = 0.f;
           for (int64_t d = 0; d < D; ++d) sum += qg[d] * k[d];
           P_b[g * S + s0] = sum;
         }
       }
       for (int64_t s = s_begin; s < s_end; ++s) {
-        const int64_t h = head_of(b, s);
-        which[b * S + s] = static_cast<float>(h < 0 ? heads : h);
         for (int64_t g = 0; g < G; ++g) {
           float& x = P_b[g * S + s];
           if (cap > 0.f) x = std::tanh(x / cap) * cap;
-          if (h < 0) x = hidden;
+          if (which_b[s] == heads) x = hidden;
         }
       }
     }
@@ -188,8 +173,8 @@ std::vector<at::Tensor> pooled_attend_one(const at::Tensor& q, const at::Tensor&
       std::copy(P_b + s_begin, P_b + s_end, score);
       for (int64_t g = 1; g < G; ++g)
         at::vec::map2([](Vec a, Vec c) { return a + c; }, score, score, P_b + g * S + s_begin, width);
-      const float mean = 1.f / static_cast<float>(G);
-      at::vec::map([mean](Vec a) { return a * Vec(mean); }, lp + b * S + s_begin, score, width);
+      const float inverse = 1.f / static_cast<float>(G);
+      if (lp) at::vec::map([inverse](Vec a) { return a * Vec(inverse); }, lp + b * S + s_begin, score, width);
       // sub-blocks of SUB slots (their values stay in L1): per head, its slots' values weighted into its G
       // outputs, held in registers 4 V lanes at a time
       constexpr int64_t SUB = 32;
@@ -235,14 +220,34 @@ std::vector<at::Tensor> pooled_attend_one(const at::Tensor& q, const at::Tensor&
     }
   });
   // the chunks' outputs summed in chunk order
-  at::Tensor out = at::empty({B, Hq, D}, q.options());
-  float* op = out.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b) {
     float* o = op + b * Hq * D;
     std::copy(part + b * chunks * Hq * D, part + (b * chunks + 1) * Hq * D, o);
     for (int64_t c = 1; c < chunks; ++c)
       at::vec::map2([](Vec a, Vec x) { return a + x; }, o, o, part + (b * chunks + c) * Hq * D, Hq * D);
   }
+}
+
+// pooled_attend as an op: keys, values [B, 1, S, D], head, pos [B, 1, S]; returns out [B, Hq, D], scores and
+// last [B, 1, S].
+std::vector<at::Tensor> pooled_attend_one(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                                          const at::Tensor& head, const at::Tensor& pos, int64_t heads,
+                                          double softcap) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat
+              && head.scalar_type() == at::kChar && pos.scalar_type() == at::kLong,
+              "pooled_attend_one: float32 q, keys and values, int8 head tags, int64 pos");
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && keys.size(1) == 1 && keys.sizes() == values.sizes()
+              && keys.size(0) == q.size(0) && keys.size(3) == q.size(2) && heads > 0 && q.size(1) % heads == 0,
+              "pooled_attend_one: shapes do not match");
+  const int64_t B = keys.size(0), S = keys.size(2), D = keys.size(3), Hq = q.size(1);
+  const at::Tensor qc = q.contiguous(), kc = keys.contiguous(), vc = values.contiguous();
+  const at::Tensor hc = head.contiguous(), pc = pos.contiguous();
+  at::Tensor out = at::empty({B, Hq, D}, q.options());
+  at::Tensor scores = at::empty({B, 1, S}, q.options());
+  at::Tensor last = at::empty({B, 1, S}, q.options());
+  pooled_attend(qc.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), hc.data_ptr<int8_t>(),
+                pc.data_ptr<int64_t>(), B, S, D, Hq, heads, static_cast<float>(softcap), out.data_ptr<float>(),
+                scores.data_ptr<float>(), last.data_ptr<float>());
   return {out, scores, last};
 }
 
@@ -304,13 +309,14 @@ std::vector<at::Tensor> pooled_decode_step(const at::Tensor& q, const at::Tensor
                                            const at::Tensor& new_keys, const at::Tensor& new_values,
                                            const at::Tensor& qpos, const at::Tensor& recent, int64_t heads,
                                            double softcap) {
-  TORCH_CHECK(keys.dim() == 4 && keys.size(1) == 1 && keys.sizes() == values.sizes() && heads > 0
-              && pos.dim() == 3 && pos.sizes() == score.sizes() && pos.sizes() == head.sizes()
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && keys.size(1) == 1 && keys.sizes() == values.sizes() && heads > 0
+              && q.size(0) == keys.size(0) && q.size(2) == keys.size(3) && q.size(1) % heads == 0 && pos.dim() == 3 && pos.sizes() == score.sizes() && pos.sizes() == head.sizes()
               && pos.size(0) == keys.size(0) && pos.size(2) == keys.size(2) && slot.numel() == keys.size(0) * heads
               && new_keys.numel() == slot.numel() * keys.size(3) && new_values.sizes() == new_keys.sizes()
               && qpos.numel() == keys.size(0) && recent.numel() == keys.size(0),
               "pooled_decode_step: shapes do not match");
-  TORCH_CHECK(keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat && score.scalar_type() == at::kFloat
+  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat
+              && score.scalar_type() == at::kFloat
               && new_keys.scalar_type() == at::kFloat && new_values.scalar_type() == at::kFloat
               && head.scalar_type() == at::kChar && pos.scalar_type() == at::kLong && slot.scalar_type() == at::kLong
               && qpos.scalar_type() == at::kLong && recent.scalar_type() == at::kLong,
@@ -338,9 +344,13 @@ std::vector<at::Tensor> pooled_decode_step(const at::Tensor& q, const at::Tensor
       pp[b * S + s] = qposp[b];
     }
   }
-  std::vector<at::Tensor> attended = pooled_attend_one(q, keys, values, head, pos, heads, softcap);
-  const float* added = attended[1].data_ptr<float>();
-  const float* mean = attended[2].data_ptr<float>();
+  const at::Tensor qc = q.contiguous();
+  at::Tensor out = at::empty({B, q.size(1), D}, q.options());
+  thread_local std::vector<float> added_buffer, mean_buffer;
+  float* added = scratch(added_buffer, B * S);
+  float* mean = last ? scratch(mean_buffer, B * S) : nullptr;
+  pooled_attend(qc.data_ptr<float>(), kp, vp, hp, pp, B, S, D, q.size(1), heads, static_cast<float>(softcap),
+                out.data_ptr<float>(), added, mean);
   float* scp = score.data_ptr<float>();
   float* lp = last ? last->data_ptr<float>() : nullptr;
   const int64_t* rp = rc.data_ptr<int64_t>();
@@ -370,7 +380,7 @@ std::vector<at::Tensor> pooled_decode_step(const at::Tensor& q, const at::Tensor
       if (lp) lp[at] = 0.f;
     }
   }
-  return {attended[0], freed, at::scalar_tensor(any_tie, at::TensorOptions().dtype(at::kBool))};
+  return {out, freed, at::scalar_tensor(any_tie, at::TensorOptions().dtype(at::kBool))};
 }
 
 }  // namespace

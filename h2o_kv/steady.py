@@ -1,0 +1,119 @@
+"""A full layer's decode step, the hot path (mixed into `layer.KVLayer`, whose fields and general path it uses).
+
+Once a drop-mode layer is full, each decode step adds one token per (sequence, KV head) and evicts one: the
+new token goes into the slot the last step freed (`vacant`), every head attends over its slots, and frees
+one again (`_evict_one`: the oldest of its lowest priorities), with none of the bookkeeping a prompt, a
+chunk or a growing storage needs (`_decode_full`). On a CPU with h2o-kv's C++ kernels, and a policy whose
+priority is its score with the newest tokens kept (`Policy.protected_recent`: H2O, SnapKV), the whole step
+is one C++ pass per row (`native.decode_step`): the same operations in the same order, without a kernel
+launch, a temporary tensor or a Python call per operation. `pooled.PooledKVLayer` has its own
+`_decode_full` for a head-pooled row and shares `_attend_steady` and `_ranked_in_kernel`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import native
+from .kernel import compute_dtype, native_rows
+from .policies import SlotState
+from .quant import quantize
+
+
+class Steady:
+    """The steady decode step of a `KVLayer` (which provides the fields, `_write`, `_attend`, `_add_scores`,
+    `slot_state` and `_kernels`)."""
+
+    def _full(self) -> bool:
+        """A drop-mode layer whose last decode step left each head one empty slot (`_evict_one`)."""
+        return self.vacant is not None and self.vacant[1] is self.pos
+
+    def _decode_full(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, qpos: torch.Tensor, *,
+                     scaling: float, softcap: float | None) -> torch.Tensor:  # fmt: skip
+        """The steady decode step, the hot path: the general path's operations in order, without the
+        bookkeeping a prompt, a chunk or a growing storage needs. The new token [B, H, 1, D] at positions
+        `qpos` [B, 1] takes the slot the last eviction left (its score is already zero), every head attends
+        over its slots and then frees one again."""
+        slots, self.vacant = self.vacant[0], None
+        batch, heads = slots.shape[:2]
+        self.kept_bound += 1
+        recent = self._ranked_in_kernel(query)
+        if recent is not None:  # the same operations in one C++ pass per (sequence, KV head)
+            return self._decode_fused(query, keys, values, qpos, slots, recent, scaling=scaling, softcap=softcap)
+        self._write(slots, keys, values, qpos.view(batch, 1, 1).expand(batch, heads, 1), zeroed=True)
+        out, valid = self._attend_steady(query, qpos, scaling=scaling, softcap=softcap)
+        self._evict_one(valid, self.slot_state(self.next_pos))
+        return out
+
+    def _decode_fused(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, qpos: torch.Tensor,
+                      slots: torch.Tensor, recent: torch.Tensor, *, scaling: float, softcap: float | None):  # fmt: skip
+        """`_decode_full` as one `native.decode_step`: write, attend, score and evict in one pass per row."""
+        scales = None
+        if self.key_scale is not None:  # int8 storage: quantize on the way in, as `_write` does
+            (keys, values), scales = quantize(torch.stack((keys, values)))
+        out, freed = native.decode_step(
+            query,
+            self.keys,
+            self.values,
+            self.pos,
+            self.score,
+            self.last,
+            slots,
+            keys,
+            values,
+            qpos,
+            recent,
+            self.capacity,
+            scaling=scaling,
+            softcap=softcap,
+            key_scale=self.key_scale,
+            value_scale=self.value_scale,
+            new_scales=scales,
+        )
+        self.vacant, self.kept_bound = (freed, self.pos), min(self.kept_bound, self.max_capacity)
+        return out.to(query.dtype)
+
+    def _ranked_in_kernel(self, query: torch.Tensor) -> torch.Tensor | None:
+        """The policy's `protected_recent` when this steady decode step runs as one C++ pass (`native.decode_step`):
+        C++ kernels on this device that read this storage (float32 or int8), and a policy ranking by the
+        undecayed score with the newest tokens kept (H2O, SnapKV); None otherwise (the eager operations)."""
+        if not self._kernels(query.device) or self.policy.decay != 1.0:
+            return None
+        if not native_rows(self.keys, compute_dtype(query.dtype, query.device)):
+            return None
+        return self.policy.protected_recent(self.slot_state(self.next_pos))
+
+    def _attend_steady(self, query: torch.Tensor, qpos: torch.Tensor, *, scaling: float, softcap: float | None):
+        """A steady decode step's attention with its scores added (`_decode_full`, here and pooled.py's); returns
+        the output and which slots hold a token, None once every one does (`packed`: all rows at one capacity,
+        all reached; each step then evicts what it adds, so it stays so)."""
+        policy, packed = self.policy, self.packed is self.pos
+        out, scores, last = self._attend(query, qpos, scaling=scaling, softcap=softcap, full=packed,
+                                         want_scores=policy.needs_scores, want_last=policy.needs_last)  # fmt: skip
+        if scores is not None:
+            self._add_scores(scores, 1, observed=False, new_from=None)
+        if last is not None:
+            self.last = last
+        valid = None if packed else self.pos >= 0
+        if not packed and self.min_capacity == self.max_capacity and bool(valid.all()):  # a sync, until packed
+            self.packed = self.pos
+        return out, valid
+
+    def _evict_one(self, valid: torch.Tensor | None, state: SlotState) -> None:
+        """A decode step's eviction once the storage has more slots than any capacity: each head over its
+        capacity frees the oldest of its lowest priorities, and each head within it has an empty slot,
+        which it "frees" instead (its empty slots rank lowest). So each field is freed with one scatter,
+        without asking which heads evict, and every head ends with the slot the next step writes to (`vacant`)."""
+        priority = self.policy.priority(state)
+        if valid is not None:  # `valid` None: every slot holds a token and every head is over its capacity
+            over = valid.sum(-1, keepdim=True) > self.capacity.view(-1, 1, 1)  # [B, H, 1]
+            priority = torch.where(valid, priority, torch.where(over, float("inf"), float("-inf")))
+        lowest = priority.amin(-1, keepdim=True)
+        oldest = torch.where(priority == lowest, self.pos, torch.iinfo(torch.int64).max)
+        victim = oldest.argmin(-1, keepdim=True)  # [B, H, 1]: the oldest of the lowest (an empty slot: pos -1)
+        for name, empty in (("pos", -1), ("score", 0.0), ("last", 0.0)):
+            if getattr(self, name) is not None:
+                getattr(self, name).scatter_(2, victim, empty)
+        if self.settings.mode == "drop":
+            self.vacant = (victim, self.pos)
+        self.kept_bound = min(self.kept_bound, self.max_capacity)

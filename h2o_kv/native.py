@@ -5,11 +5,16 @@ or read memory slower, than needed.
   KV head) row at a time inside the core's cache, in one pass (the eager path runs several small batched
   products over the layer). Torch has no int8 x float product on a CPU; the eager path widens a layer's
   int8 storage to float and multiplies with MKL, this kernel widens int8 in registers as it reads it.
+- `decode_step` (in `csrc/attend_one.cpp`): a full layer's whole decode step (steady.py) in the same pass per
+  row: the new token written into the slot the last step freed, the attention, the scores, and the eviction
+  of the oldest lowest priority for a policy ranking by score with the newest kept (`Policy.protected_recent`:
+  H2O, SnapKV), in place of about fifteen small torch operations and their Python per layer.
 - `pooled_attend_one` (`csrc/pooled_attend.cpp`): over a head-pooled row (pooled.py, AdaKV). The eager
   path computes every query head against every slot of the row and masks the other heads' slots (3x the
   products of a uniform layer on SmolLM2); this kernel computes each query head against its own head's
   slots only, reading the row once in the order it lies in memory; and `lowest_slots`, the slots such a row
-  frees at a decode step (one pass in place of torch's topk, sort and compare).
+  frees at a decode step (one pass in place of torch's topk, sort and compare); `pooled_decode_step`, a full
+  head-pooled layer's whole decode step as `decode_step` is a uniform layer's.
 - `rows_linear` (`csrc/rows_linear.cpp`): a linear layer for the few rows of a decode step (rows_first.py).
   MKL's products at 4 rows read the weights at about half the memory's speed; this kernel streams each
   weight row once.

@@ -33,6 +33,67 @@ float* scratch(std::vector<float>& buffer, int64_t size) {
   return buffer.data();
 }
 
+// acc [N, D] += w [N, s0:s1] @ values [s0:s1, D] for N rows of weights (row stride S): the values read in slot
+// order, 2 V lanes of D at a time into N x 2 accumulators held in registers (N <= 12).
+template <int N>
+void weigh(const float* w, int64_t S, const float* values, int64_t D, int64_t s0, int64_t s1, float* acc) {
+  int64_t d0 = 0;
+  for (; d0 + 2 * V <= D; d0 += 2 * V) {
+    Vec a[N][2];
+    for (int n = 0; n < N; ++n) {
+      a[n][0] = Vec::loadu(acc + n * D + d0);
+      a[n][1] = Vec::loadu(acc + n * D + d0 + V);
+    }
+    for (int64_t s = s0; s < s1; ++s) {
+      const Vec v0 = Vec::loadu(values + s * D + d0), v1 = Vec::loadu(values + s * D + d0 + V);
+      for (int n = 0; n < N; ++n) {
+        const Vec x(w[n * S + s]);
+        a[n][0] = at::vec::fmadd(x, v0, a[n][0]);
+        a[n][1] = at::vec::fmadd(x, v1, a[n][1]);
+      }
+    }
+    for (int n = 0; n < N; ++n) {
+      a[n][0].store(acc + n * D + d0);
+      a[n][1].store(acc + n * D + d0 + V);
+    }
+  }
+  for (; d0 + V <= D; d0 += V) {
+    Vec a[N];
+    for (int n = 0; n < N; ++n) a[n] = Vec::loadu(acc + n * D + d0);
+    for (int64_t s = s0; s < s1; ++s) {
+      const Vec v0 = Vec::loadu(values + s * D + d0);
+      for (int n = 0; n < N; ++n) a[n] = at::vec::fmadd(Vec(w[n * S + s]), v0, a[n]);
+    }
+    for (int n = 0; n < N; ++n) a[n].store(acc + n * D + d0);
+  }
+  for (; d0 < D; ++d0)
+    for (int64_t s = s0; s < s1; ++s)
+      for (int n = 0; n < N; ++n) acc[n * D + d0] += w[n * S + s] * values[s * D + d0];
+}
+
+// weigh for any number of rows, 12 at a time.
+void weigh_rows(const float* w, int64_t rows, int64_t S, const float* values, int64_t D, int64_t s0, int64_t s1,
+                float* acc) {
+  for (int64_t r = 0; r < rows; r += 12) {
+    const float* wr = w + r * S;
+    float* ar = acc + r * D;
+    switch (std::min<int64_t>(rows - r, 12)) {
+      case 1: weigh<1>(wr, S, values, D, s0, s1, ar); break;
+      case 2: weigh<2>(wr, S, values, D, s0, s1, ar); break;
+      case 3: weigh<3>(wr, S, values, D, s0, s1, ar); break;
+      case 4: weigh<4>(wr, S, values, D, s0, s1, ar); break;
+      case 5: weigh<5>(wr, S, values, D, s0, s1, ar); break;
+      case 6: weigh<6>(wr, S, values, D, s0, s1, ar); break;
+      case 7: weigh<7>(wr, S, values, D, s0, s1, ar); break;
+      case 8: weigh<8>(wr, S, values, D, s0, s1, ar); break;
+      case 9: weigh<9>(wr, S, values, D, s0, s1, ar); break;
+      case 10: weigh<10>(wr, S, values, D, s0, s1, ar); break;
+      case 11: weigh<11>(wr, S, values, D, s0, s1, ar); break;
+      default: weigh<12>(wr, S, values, D, s0, s1, ar); break;
+    }
+  }
+}
+
 // A head-pooled row's decode-step attention (h2o_kv/pooled.py, AdaKV): q [B, Hq, D] float32, already scaled;
 // keys, values [B, S, D] float32 shared by the KV heads, head [B, S] int8 each slot's KV head, pos [B, S] int64
 // (-1: empty). Query head i belongs to KV head i / G (G = Hq / heads) and attends over that head's kept slots
@@ -40,15 +101,18 @@ float* scratch(std::vector<float>& buffer, int64_t size) {
 // reading them head by head runs at the memory's latency, not its bandwidth):
 //   1. each slot's G logits, its own head's queries against its key (chunks of the row in parallel);
 //   2. per (sequence, query head): the max, exp and sum over that head's slots (small, in cache);
-//   3. each slot's value weighted into its head's G outputs (chunks in parallel, then summed in chunk order).
+//   3. the values weighted into every query head's output by that head's probabilities, 0 on another head's
+//      slots (`masked`, written by 2): a dense product read once in slot order (chunks in parallel, then
+//      summed in chunk order); picking each head's slots out of the row instead ran at the memory's latency.
 // Writes out [B, Hq, D], each slot's probabilities summed over its own head's queries into sp [B, S] (0 on empty
 // slots), and their mean into lp [B, S] unless it is null.
 void pooled_attend(const float* qp, const float* kp, const float* vp, const int8_t* hp, const int64_t* pp, int64_t B,
                    int64_t S, int64_t D, int64_t Hq, int64_t heads, float cap, float* op, float* sp, float* lp) {
   const int64_t G = Hq / heads;
   const int64_t chunks = std::max<int64_t>(1, (S + CHUNK - 1) / CHUNK);
-  thread_local std::vector<float> probs_buffer, which_buffer, partial_buffer;
+  thread_local std::vector<float> probs_buffer, which_buffer, partial_buffer, masked_buffer;
   float* P = scratch(probs_buffer, B * G * S);  // logits, then probabilities: [b][g][s]
+  float* masked = scratch(masked_buffer, B * Hq * S);  // probabilities per query head, 0 on other heads' slots
   float* which = scratch(which_buffer, B * S);  // a slot's head as a float, `heads` if empty
   float* part = scratch(partial_buffer, B * chunks * Hq * D);
   const float hidden = -std::numeric_limits<float>::infinity();
@@ -156,9 +220,17 @@ void pooled_attend(const float* qp, const float* kp, const float* vp, const int8
       }
       for (int64_t h = 0; h < heads; ++h) scale_of[h] = scale_of[h] > 0.f ? 1.f / scale_of[h] : 0.f;
       scale_of[heads] = 0.f;
-      for (int64_t s0 = 0; s0 < vectorized; s0 += V)
-        (Vec::loadu(row + s0) * per_head(scale_of.data(), s0)).store(row + s0);
-      for (int64_t s = vectorized; s < S; ++s) row[s] *= scale_of[static_cast<int64_t>(w[s])];
+      float* masked_bg = masked + b * Hq * S + g * S;  // query head h * G + g: [b][h * G + g][s]
+      for (int64_t s0 = 0; s0 < vectorized; s0 += V) {
+        const Vec p = Vec::loadu(row + s0) * per_head(scale_of.data(), s0), wv = Vec::loadu(w + s0);
+        p.store(row + s0);
+        for (int64_t h = 0; h < heads; ++h)
+          Vec::blendv(Vec(0.f), p, wv == Vec(static_cast<float>(h))).store(masked_bg + h * G * S + s0);
+      }
+      for (int64_t s = vectorized; s < S; ++s) {
+        row[s] *= scale_of[static_cast<int64_t>(w[s])];
+        for (int64_t h = 0; h < heads; ++h) masked_bg[h * G * S + s] = w[s] == h ? row[s] : 0.f;
+      }
     }
   });
   // 3. the weighted values, slot order, into each chunk's outputs [Hq, D]
@@ -175,48 +247,7 @@ void pooled_attend(const float* qp, const float* kp, const float* vp, const int8
         at::vec::map2([](Vec a, Vec c) { return a + c; }, score, score, P_b + g * S + s_begin, width);
       const float inverse = 1.f / static_cast<float>(G);
       if (lp) at::vec::map([inverse](Vec a) { return a * Vec(inverse); }, lp + b * S + s_begin, score, width);
-      // sub-blocks of SUB slots (their values stay in L1): per head, its slots' values weighted into its G
-      // outputs, held in registers 4 V lanes at a time
-      constexpr int64_t SUB = 32;
-      int64_t mine[SUB];
-      for (int64_t s_sub = s_begin; s_sub < s_end; s_sub += SUB) {
-        const int64_t sub_end = std::min(s_end, s_sub + SUB);
-        for (int64_t h = 0; h < heads; ++h) {
-          int64_t n = 0;
-          for (int64_t s = s_sub; s < sub_end; ++s)
-            if (which[b * S + s] == static_cast<float>(h)) mine[n++] = s;
-          if (n == 0) continue;
-          for (int64_t g = 0; g < G; ++g) {
-            const float* p = P_b + g * S;
-            float* o = acc + (h * G + g) * D;
-            int64_t d0 = 0;
-            for (; d0 + 4 * V <= D; d0 += 4 * V) {
-              Vec o0 = Vec::loadu(o + d0), o1 = Vec::loadu(o + d0 + V), o2 = Vec::loadu(o + d0 + 2 * V),
-                  o3 = Vec::loadu(o + d0 + 3 * V);
-              for (int64_t i = 0; i < n; ++i) {
-                const Vec w(p[mine[i]]);
-                const float* v = vp + (b * S + mine[i]) * D + d0;
-                o0 = at::vec::fmadd(w, Vec::loadu(v), o0);
-                o1 = at::vec::fmadd(w, Vec::loadu(v + V), o1);
-                o2 = at::vec::fmadd(w, Vec::loadu(v + 2 * V), o2);
-                o3 = at::vec::fmadd(w, Vec::loadu(v + 3 * V), o3);
-              }
-              o0.store(o + d0);
-              o1.store(o + d0 + V);
-              o2.store(o + d0 + 2 * V);
-              o3.store(o + d0 + 3 * V);
-            }
-            for (; d0 + V <= D; d0 += V) {
-              Vec o0 = Vec::loadu(o + d0);
-              for (int64_t i = 0; i < n; ++i)
-                o0 = at::vec::fmadd(Vec(p[mine[i]]), Vec::loadu(vp + (b * S + mine[i]) * D + d0), o0);
-              o0.store(o + d0);
-            }
-            for (; d0 < D; ++d0)
-              for (int64_t i = 0; i < n; ++i) o[d0] += p[mine[i]] * vp[(b * S + mine[i]) * D + d0];
-          }
-        }
-      }
+      weigh_rows(masked + b * Hq * S, Hq, S, vp + b * S * D, D, s_begin, s_end, acc);
     }
   });
   // the chunks' outputs summed in chunk order

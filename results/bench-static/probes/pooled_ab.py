@@ -5,7 +5,7 @@ prefilled, then rounds of 6 decode steps alternating between h2o-kv's `csrc/pool
 another version of that file (`OTHER`, registered as torch.ops.h2o_other), with SnapKV's step (H2O's fused
 step) just before each as the yardstick; each round's median step, and the median over rounds of
 AdaKV's step over SnapKV's. The other version is read as given, e.g. the
-last commit's: `git show HEAD:h2o_kv/csrc/pooled_attend.cpp > /tmp/pooled_old.cpp`.
+last commit's: `git show HEAD:h2o_kv/csrc/pooled_attend.cpp > /tmp/pooled_old.cpp` (this session: commit 3c1f095).
 
     python results/bench-static/probes/pooled_ab.py /tmp/pooled_old.cpp
 """

@@ -133,7 +133,7 @@ def decode_step(
     value_scale: torch.Tensor | None = None,
     new_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A uniform layer's steady decode step, one pass per (sequence, KV head) (`layer.KVLayer._decode_fused`),
+    """A uniform layer's steady decode step, one pass per (sequence, KV head) (`steady.Steady._decode_fused`),
     in place on the layer's storage: keys/values [B, H, S, D] (float32, or int8 with key_scale/value_scale
     [B, H, S]), pos, score and last [B, H, S]. The new token (new_keys/new_values [B, H, 1, D] in the storage's
     dtype, int8 with `new_scales` [B, H, 1] each) goes into the empty slot [B, H, 1] at positions qpos [B, 1];

@@ -73,7 +73,7 @@ class PooledKVLayer(KVLayer):
         next_pos = self.next_pos.view(-1, 1, 1)
         keys, values = keys.reshape(batch, 1, heads, dim), values.reshape(batch, 1, heads, values.shape[-1])
         recent = self._ranked_in_kernel(query)
-        if recent is not None and self.keys.dtype == query.dtype == torch.float32:  # the same operations, one C++ call
+        if recent is not None:  # the same operations in one C++ call
             out, freed, tied = native.pooled_decode_step(
                 query, self.keys, self.values, self.head, self.pos, self.score, self.last, slots, keys, values, qpos,
                 recent, scaling=scaling, softcap=softcap,
@@ -89,6 +89,10 @@ class PooledKVLayer(KVLayer):
                 return out
         KVLayer._evict(self, next_pos, None, 1)  # a tie at the boundary (nothing freed): the exact (sorted) order
         return out
+
+    def _step_storage(self, query: torch.Tensor) -> bool:
+        """`native.pooled_decode_step` reads float32 rows with float32 queries (as `native.pooled_attend_one`)."""
+        return self.keys.dtype == query.dtype == torch.float32
 
     def _insert(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> int | None:
         """n new tokens [B, heads, n, D] take n x heads slots; returns the first one (None while decoding)."""

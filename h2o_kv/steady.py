@@ -77,11 +77,14 @@ class Steady:
         """The policy's `protected_recent` when this steady decode step runs as one C++ pass (`native.decode_step`):
         C++ kernels on this device that read this storage (float32 or int8), and a policy ranking by the
         undecayed score with the newest tokens kept (H2O, SnapKV); None otherwise (the eager operations)."""
-        if not self._kernels(query.device) or self.policy.decay != 1.0:
-            return None
-        if not native_rows(self.keys, compute_dtype(query.dtype, query.device)):
+        if not self._kernels(query.device) or self.policy.decay != 1.0 or not self._step_storage(query):
             return None
         return self.policy.protected_recent(self.slot_state(self.next_pos))
+
+    def _step_storage(self, query: torch.Tensor) -> bool:
+        """Whether `native.decode_step` reads this layer's storage for `query` (`kernel.native_rows`: float32
+        products over float32 storage, or int8); pooled.py's own step reads float32 rows only."""
+        return native_rows(self.keys, compute_dtype(query.dtype, query.device))
 
     def _attend_steady(self, query: torch.Tensor, qpos: torch.Tensor, *, scaling: float, softcap: float | None):
         """A steady decode step's attention with its scores added (`_decode_full`, here and pooled.py's); returns

@@ -88,15 +88,17 @@ class H2O(Policy):
         return heavy + recent
 
     def priority(self, state: SlotState) -> torch.Tensor:
-        recent = per_prompt(state, "recent", lambda prompt_len: self.split(prompt_len)[1])
-        is_recent = state.pos >= state.next_pos - recent
+        is_recent = state.pos >= state.next_pos - self._recent(state)
         score = state.score
         if self.normalize:
             score = score / (state.next_pos - state.pos).clamp(min=1).to(score.dtype)
         return torch.where(is_recent, float("inf"), score)  # a new tensor in one kernel (masked_fill: copy, then fill)
 
     def protected_recent(self, state: SlotState) -> torch.Tensor | None:
-        return None if self.normalize else per_prompt(state, "recent", lambda prompt_len: self.split(prompt_len)[1])
+        return None if self.normalize else self._recent(state)  # normalize ranks by score / age: not the kernel's
+
+    def _recent(self, state: SlotState) -> torch.Tensor:
+        return per_prompt(state, "recent", lambda prompt_len: self.split(prompt_len)[1])
 
     def describe(self) -> str:
         options = (f", decay={self.decay:g}" if self.decay != 1.0 else "") + (", normalize" if self.normalize else "")

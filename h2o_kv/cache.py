@@ -30,7 +30,7 @@ class KVCache(Cache):
     chunks with eviction between them, bounding the cache by capacity + chunk. `prompt_len` sizes
     fractional budgets from that many prompt tokens, for a prompt fed in several calls.
     `kv_dtype="int8"` stores the kept keys and values as int8 with per-token scales (about 4x fewer
-    bytes than float32; see quant.py). Decode steps on a CPU over float32 or int8 storage or a head-pooled
+    bytes than float32; see quant.py). Decode steps on a CPU over float32, bfloat16 or int8 storage or a head-pooled
     layer (AdaKV) run h2o-kv's C++ kernels, built once per machine where ninja and a C++ compiler are found
     (native.py); `compile_kernel=False` keeps the eager path, `compile_kernel=True` requires the kernels (an
     error where they cannot be built).

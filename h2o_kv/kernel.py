@@ -26,9 +26,9 @@ def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 
 
 def native_rows(keys: torch.Tensor, compute: torch.dtype) -> bool:
-    """Whether `native.attend_one` reads this storage for a decode step computed in `compute`: int8, or
-    float32 products over float32 storage (bfloat16 keeps the eager path)."""
-    return keys.dtype == torch.int8 or keys.dtype == compute == torch.float32
+    """Whether `native.attend_one` reads this storage for a decode step computed in `compute`: int8 or bfloat16
+    (widened in registers, float32 products), or float32 products over float32 storage."""
+    return keys.dtype in (torch.int8, torch.bfloat16) or keys.dtype == compute == torch.float32
 
 
 @functools.cache
@@ -76,8 +76,8 @@ def attend(
     observation window), and the attention from the last query averaged over
     the group's heads [B, H, S]. Queries go in blocks so no [n x S] matrix is materialised.
     int8 keys/values come with their per-slot scales `key_scale`/`value_scale` [B, H, S] (quant.py);
-    a decode step widens them into `work` when given (`widen`). With `native_kernels`, a decode step over int8
-    or float32 storage (`native_rows`: one row per KV head) or over a float32 head-pooled row runs h2o-kv's
+    a decode step widens them into `work` when given (`widen`). With `native_kernels`, a decode step over int8,
+    bfloat16 or float32 storage (`native_rows`: one row per KV head) or over a float32 head-pooled row runs h2o-kv's
     C++ kernel instead (native.py). bfloat16/float16 on a CPU computes in
     float32 (`compute_dtype`) and returns the output in the query's dtype.
     A head-pooled layer (one storage row shared by the KV heads, pooled.py) gives each slot's KV head

@@ -1,10 +1,11 @@
 """h2o-kv's C++ kernels (`csrc/`): the parts of a decode step on a CPU where torch's products do more work,
 or read memory slower, than needed.
 
-- `attend_one`: a decode step's attention over float32 or int8 keys and values (quant.py), one (sequence,
+- `attend_one`: a decode step's attention over float32, bfloat16 or int8 keys and values (quant.py), one (sequence,
   KV head) row at a time inside the core's cache, in one pass (the eager path runs several small batched
   products over the layer). Torch has no int8 x float product on a CPU; the eager path widens a layer's
-  int8 storage to float and multiplies with MKL, this kernel widens int8 in registers as it reads it.
+  int8 storage to float and multiplies with MKL, this kernel widens int8 (and bfloat16) in registers as it
+  reads it and multiplies in float32.
 - `decode_step` (in `csrc/attend_one.cpp`): a full layer's whole decode step (steady.py) in the same pass per
   row: the new token written into the slot the last step freed, the attention, the scores, and the eviction
   of the oldest lowest priority for a policy ranking by score with the newest kept (`Policy.protected_recent`:
@@ -103,7 +104,7 @@ def attend_one(
     value_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`kernel.attend_one` in one pass per (sequence, KV head): q [B, Hq, 1, D] float32, keys/values
-    [B, H, S, D] float32, or int8 with their scales [B, H, S] (quant.py), pos [B, H, S] (-1 = empty slot;
+    [B, H, S, D] float32 or bfloat16, or int8 with their scales [B, H, S] (quant.py), pos [B, H, S] (-1 = empty slot;
     None: every slot holds a token, nothing masked); the output [B, 1, Hq, D] float32, scores and last [B, H, S]."""
     load()
     batch, q_heads, _, dim = q.shape
@@ -134,7 +135,7 @@ def decode_step(
     new_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A uniform layer's steady decode step, one pass per (sequence, KV head) (`steady.Steady._decode_fused`),
-    in place on the layer's storage: keys/values [B, H, S, D] (float32, or int8 with key_scale/value_scale
+    in place on the layer's storage: keys/values [B, H, S, D] (float32, bfloat16, or int8 with key_scale/value_scale
     [B, H, S]), pos, score and last [B, H, S]. The new token (new_keys/new_values [B, H, 1, D] in the storage's
     dtype, int8 with `new_scales` [B, H, 1] each) goes into the empty slot [B, H, 1] at positions qpos [B, 1];
     the query q [B, Hq, 1, D] attends over the row, the scores grow, and each row frees the oldest of its lowest

@@ -75,7 +75,7 @@ class Steady:
 
     def _ranked_in_kernel(self, query: torch.Tensor) -> torch.Tensor | None:
         """The policy's `protected_recent` when this steady decode step runs as one C++ pass (`native.decode_step`):
-        C++ kernels on this device that read this storage (float32 or int8), and a policy ranking by the
+        C++ kernels on this device that read this storage (float32, bfloat16 or int8), and a policy ranking by the
         undecayed score with the newest tokens kept (H2O, SnapKV); None otherwise (the eager operations)."""
         if not self._kernels(query.device) or self.policy.decay != 1.0 or not self._step_storage(query):
             return None
@@ -83,7 +83,7 @@ class Steady:
 
     def _step_storage(self, query: torch.Tensor) -> bool:
         """Whether `native.decode_step` reads this layer's storage for `query` (`kernel.native_rows`: float32
-        products over float32 storage, or int8); pooled.py's own step reads float32 rows only."""
+        products over float32 storage, bfloat16 or int8); pooled.py's own step reads float32 rows only."""
         return native_rows(self.keys, compute_dtype(query.dtype, query.device))
 
     def _attend_steady(self, query: torch.Tensor, qpos: torch.Tensor, *, scaling: float, softcap: float | None):

@@ -249,10 +249,10 @@ def steady_state(batch, heads, slots, dim, seed, *, ties=False, within=False):
     return keys, values, pos, score, vacant, capacity, next_pos
 
 
-@pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
+@pytest.mark.parametrize("storage", ["float32", "int8", "bfloat16"])
 @pytest.mark.parametrize("dim", [16, 20], ids=["vectors", "tail"])
 @pytest.mark.parametrize("case", ["plain", "ties", "within"])
-def test_decode_step_equals_the_eager_steady_step(case, dim, int8):
+def test_decode_step_equals_the_eager_steady_step(case, dim, storage):
     """native.decode_step (a full uniform layer's decode step in one C++ pass per row) writes the new token
     into the vacant slot, attends, adds the scores and frees the oldest of the lowest priorities (score, the
     `recent` newest kept; an empty slot first within capacity), exactly as the eager operations do
@@ -272,6 +272,9 @@ def test_decode_step_equals_the_eager_steady_step(case, dim, int8):
     new_keys, new_values = torch.randn(2, batch, heads, 1, dim, generator=gen)
     recent = torch.tensor([3, 5, 1]).view(batch, 1, 1)
     key_scale = value_scale = new_scales = None
+    int8 = storage == "int8"
+    if storage == "bfloat16":
+        keys, values, new_keys, new_values = (t.bfloat16() for t in (keys, values, new_keys, new_values))
     if int8:
         (keys, key_scale), (values, value_scale) = quantize(keys), quantize(values)
         (new_keys, new_values), new_scales = quantize(torch.stack((new_keys, new_values)))

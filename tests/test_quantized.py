@@ -153,7 +153,7 @@ def test_int8_decoding_widens_into_one_reused_buffer():
     assert torch.equal(out, fresh_out) and torch.equal(scores, fresh_scores)
 
 
-@pytest.mark.parametrize("storage", ["int8", "float32"])
+@pytest.mark.parametrize("storage", ["int8", "float32", "bfloat16"])
 @pytest.mark.parametrize("softcap", [None, 5.0])
 @pytest.mark.parametrize(
     "batch,heads,group,slots,dim",
@@ -162,7 +162,8 @@ def test_int8_decoding_widens_into_one_reused_buffer():
 )
 def test_kernel_equals_the_eager_path(batch, heads, group, slots, dim, softcap, storage):
     """h2o-kv's C++ kernel (native.attend_one) gives attend_one's output, scores and last-query attention
-    over the same int8 (with scales) or float32 storage and empty slots, for slot counts and head sizes off
+    over the same int8 (with scales), float32 or bfloat16 storage (widened in registers: the float32 call on the
+    same numbers, up to the compiler's order in the tails) and empty slots, for slot counts and head sizes off
     the vector width."""
     from h2o_kv import native
     from h2o_kv.kernel import attend_one
@@ -174,6 +175,8 @@ def test_kernel_equals_the_eager_path(batch, heads, group, slots, dim, softcap, 
     if storage == "int8":
         (keys, key_scale), (values, value_scale) = quantize(keys), quantize(values)
         scales = dict(key_scale=key_scale, value_scale=value_scale)
+    if storage == "bfloat16":
+        keys, values = keys.bfloat16(), values.bfloat16()
     pos = torch.arange(slots).repeat(batch, heads, 1)
     pos[0, -1, 1 : slots // 2] = -1
     options = dict(scaling=dim**-0.5, softcap=softcap, want_scores=True, want_last=True)
@@ -182,6 +185,10 @@ def test_kernel_equals_the_eager_path(batch, heads, group, slots, dim, softcap, 
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert float(got[1][0, -1, 1 : slots // 2].abs().max()) == 0.0  # an empty slot gets no attention
+    if storage == "bfloat16":
+        wide = native.attend_one(q, keys.float(), values.float(), pos, scaling=dim**-0.5, softcap=softcap)
+        for a, b in zip(got, wide):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
     # pos None (every slot holds a token, as a packed layer's decode step passes): nothing masked
     got = native.attend_one(q, keys, values, None, scaling=dim**-0.5, softcap=softcap, **scales)
     expected = attend_one(q, keys, values, None, **scales, **options)
@@ -198,14 +205,16 @@ def test_kernel_refuses_storage_without_its_scales():
         native.attend_one(q, k8, k8, None, scaling=1.0)
     with pytest.raises(RuntimeError, match="int8 keys/values come with float32 scales"):
         native.attend_one(q, keys, keys, None, scaling=1.0, key_scale=scale, value_scale=scale)
-    with pytest.raises(RuntimeError, match="int8 or float32 keys/values"):
+    with pytest.raises(RuntimeError, match="int8, bfloat16 or float32 keys/values"):
         native.attend_one(q, keys.double(), keys.double(), None, scaling=1.0)
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", None], ids=["int8", "float32"])
-def test_decoding_runs_the_kernel_with_the_eager_results(arch, monkeypatch, kv_dtype):
-    """Where the kernel can be built (here), an int8 or float32 cache decodes through it (counted), and its
-    logits and kept tokens are those of the eager path (compile_kernel=False)."""
+@pytest.mark.parametrize("storage", ["int8", "float32", "bfloat16"])
+def test_decoding_runs_the_kernel_with_the_eager_results(arch, monkeypatch, storage):
+    """Where the kernel can be built (here), an int8, float32 or bfloat16 cache decodes through it (counted),
+    and its logits and kept tokens are those of the eager path (compile_kernel=False; for a bfloat16 model the
+    eager path with float32 products, as on a CPU without bfloat16 ones, since the kernel multiplies in float32)."""
+    from h2o_kv import kernel as kernels
     from h2o_kv import native
 
     calls = []
@@ -215,6 +224,10 @@ def test_decoding_runs_the_kernel_with_the_eager_results(arch, monkeypatch, kv_d
             native, name, lambda *a, kernel=kernel, name=name, **k: calls.append(name) or kernel(*a, **k)
         )
     model, ids = make_model(arch), random_ids(2, 40)
+    kv_dtype = "int8" if storage == "int8" else None
+    if storage == "bfloat16":
+        model = model.to(torch.bfloat16)
+        monkeypatch.setattr(kernels, "native_products", lambda dtype: False)
     policy = h2o_kv.H2O(heavy=8, recent=8)
     eager, cache = (
         h2o_kv.KVCache(policy, kv_dtype=kv_dtype, compile_kernel=False),
@@ -224,7 +237,8 @@ def test_decoding_runs_the_kernel_with_the_eager_results(arch, monkeypatch, kv_d
     expected = decode(model, ids, eager, prefill=20)
     assert not calls
     got = decode(model, ids, cache, prefill=20)
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    tolerance = 2e-2 if storage == "bfloat16" else 1e-4  # a bfloat16 model rounds each layer's output
+    torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
     assert len(calls) >= 20 and "decode_step" in calls  # every decode step of a layer (not the sliding ones)
     for a, b in zip(cache.layers, eager.layers):
         assert torch.equal(a.pos.sort(-1).values, b.pos.sort(-1).values)

@@ -5,7 +5,9 @@
 //   scores in one pass while the row is in the core's cache (torch's eager path runs a handful of small
 //   batched products and reductions over the layer, each reading it again). Int8 keys and values (quant.py)
 //   are widened in registers as they are read: torch has no int8 x float product on a CPU, so the eager
-//   path writes and reads a 4x larger float copy of the layer.
+//   path writes and reads a 4x larger float copy of the layer. bfloat16 keys and values are widened the
+//   same way and multiplied in float32 (the eager path multiplies in bfloat16 where the CPU can, or widens a
+//   float32 copy of the layer where it cannot).
 //
 // Rows run in parallel on torch's threads (at::parallel_for); the vectors are torch's own (at::vec) at the
 // width native.py compiles for.
@@ -25,8 +27,13 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int V = Vec::size();
 
-// V lanes as float32: float32 as they are, int8 widened in registers (exact).
+// V lanes as float32: float32 as they are, int8 and bfloat16 widened in registers (exact).
 inline Vec load_float(const float* p) { return Vec::loadu(p); }
+inline Vec load_float(const at::BFloat16* p) {
+  Vec out;
+  at::vec::load_to_float<at::BFloat16>(p, out);
+  return out;
+}
 inline Vec load_float(const int8_t* p) {
 #if defined(CPU_CAPABILITY_AVX512)
   return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
@@ -154,20 +161,20 @@ void attend_rows(const float* qp, const KV* kp, const KV* vp, const float* ksp, 
 }
 
 // A decode step (one query per sequence) over rows of KV heads: q [B, Hq, D] float32, already scaled; keys,
-// values [B, H, S, D], int8 with their key_scale, value_scale [B, H, S] float32, or float32 without scales;
+// values [B, H, S, D], int8 with their key_scale, value_scale [B, H, S] float32, or float32 or bfloat16 without;
 // pos [B, H, S] int64 (-1: an empty slot), or none when every slot holds a token (nothing masked); softcap > 0
 // applies tanh(x / c) * c. Returns out [B, Hq, D], scores and last [B, H, S].
 std::vector<at::Tensor> attend_one(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                                    const std::optional<at::Tensor>& key_scale,
                                    const std::optional<at::Tensor>& value_scale, const std::optional<at::Tensor>& pos,
                                    double softcap) {
-  const bool int8 = keys.scalar_type() == at::kChar;
+  const bool int8 = keys.scalar_type() == at::kChar, bf16 = keys.scalar_type() == at::kBFloat16;
   TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == values.scalar_type()
-              && (int8 || keys.scalar_type() == at::kFloat) && (!pos || pos->scalar_type() == at::kLong),
-              "attend_one: float32 q, int8 or float32 keys/values, int64 pos");
+              && (int8 || bf16 || keys.scalar_type() == at::kFloat) && (!pos || pos->scalar_type() == at::kLong),
+              "attend_one: float32 q, int8, bfloat16 or float32 keys/values, int64 pos");
   TORCH_CHECK(int8 == (key_scale.has_value() && value_scale.has_value())
               && (!int8 || (key_scale->scalar_type() == at::kFloat && value_scale->scalar_type() == at::kFloat)),
-              "attend_one: int8 keys/values come with float32 scales, float32 ones without");
+              "attend_one: int8 keys/values come with float32 scales, float32 and bfloat16 ones without");
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && keys.sizes() == values.sizes() && keys.size(0) == q.size(0)
               && keys.size(3) == q.size(2) && q.size(1) % keys.size(1) == 0, "attend_one: shapes do not match");
   const int64_t B = keys.size(0), H = keys.size(1), S = keys.size(2), D = keys.size(3), G = q.size(1) / H;
@@ -184,6 +191,10 @@ std::vector<at::Tensor> attend_one(const at::Tensor& q, const at::Tensor& keys, 
     attend_rows<int8_t>(qc.data_ptr<float>(), kc.data_ptr<int8_t>(), vc.data_ptr<int8_t>(), ksc.data_ptr<float>(),
                         vsc.data_ptr<float>(), pp, B, H, S, D, G, cap, out.data_ptr<float>(), scores.data_ptr<float>(),
                         last.data_ptr<float>());
+  } else if (bf16) {
+    attend_rows<at::BFloat16>(qc.data_ptr<float>(), kc.data_ptr<at::BFloat16>(), vc.data_ptr<at::BFloat16>(), nullptr,
+                              nullptr, pp, B, H, S, D, G, cap, out.data_ptr<float>(), scores.data_ptr<float>(),
+                              last.data_ptr<float>());
   } else {
     attend_rows<float>(qc.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), nullptr, nullptr, pp, B, H,
                        S, D, G, cap, out.data_ptr<float>(), scores.data_ptr<float>(), last.data_ptr<float>());
@@ -191,10 +202,10 @@ std::vector<at::Tensor> attend_one(const at::Tensor& q, const at::Tensor& keys, 
   return {out, scores, last};
 }
 
-// A uniform layer's steady decode step (layer.KVLayer._decode_fused), in place, one (sequence, KV head) row per
+// A uniform layer's steady decode step (steady.Steady._decode_fused), in place, one (sequence, KV head) row per
 // task, each row's work in the order of the eager path's operations: the new token (new_keys, new_values
-// [B, H, 1, D] in the storage's dtype, with their scales for int8) goes into the row's vacant slot `slot`
-// [B, H, 1] at position qpos [B]; the G query heads attend (attend_row, empty slots masked); each slot's score
+// [B, H, 1, D] in the storage's dtype: float32, bfloat16, or int8 with their scales) goes into the row's vacant
+// slot `slot` [B, H, 1] at position qpos [B]; the G query heads attend (attend_row, empty slots masked); each slot's score
 // gains the probability its query heads paid (and `last` gets their mean, when given); then the row frees the
 // oldest of its lowest priorities, where a kept token's priority is its score, or +inf for the `recent` [B]
 // newest positions (H2O's and SnapKV's ranking, policies' `protected_recent`), and an empty slot ranks -inf
@@ -208,13 +219,14 @@ std::vector<at::Tensor> decode_step(const at::Tensor& q, const at::Tensor& keys,
                                     const std::optional<at::Tensor>& new_key_scale,
                                     const std::optional<at::Tensor>& new_value_scale, const at::Tensor& qpos,
                                     const at::Tensor& recent, const at::Tensor& capacity, double softcap) {
-  const bool int8 = keys.scalar_type() == at::kChar;
+  const bool int8 = keys.scalar_type() == at::kChar, bf16 = keys.scalar_type() == at::kBFloat16;
   TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == values.scalar_type()
-              && (int8 || keys.scalar_type() == at::kFloat) && new_keys.scalar_type() == keys.scalar_type()
+              && (int8 || bf16 || keys.scalar_type() == at::kFloat) && new_keys.scalar_type() == keys.scalar_type()
               && new_values.scalar_type() == keys.scalar_type(),
-              "decode_step: float32 q, int8 or float32 keys/values and new ones alike");
+              "decode_step: float32 q, int8, bfloat16 or float32 keys/values and new ones alike");
   TORCH_CHECK(int8 == (key_scale && value_scale && new_key_scale && new_value_scale),
-              "decode_step: int8 storage comes with its scales and the new tokens' scales, float32 without");
+              "decode_step: int8 storage comes with its scales and the new tokens' scales, float32 and bfloat16 "
+              "without");
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && keys.sizes() == values.sizes() && keys.size(0) == q.size(0)
               && keys.size(3) == q.size(2) && q.size(1) % keys.size(1) == 0, "decode_step: shapes do not match");
   const int64_t B = keys.size(0), H = keys.size(1), S = keys.size(2), D = keys.size(3), G = q.size(1) / H;
@@ -297,6 +309,9 @@ std::vector<at::Tensor> decode_step(const at::Tensor& q, const at::Tensor& keys,
   };
   if (int8) {
     run(keys.data_ptr<int8_t>(), values.data_ptr<int8_t>(), nk.data_ptr<int8_t>(), nv.data_ptr<int8_t>());
+  } else if (bf16) {
+    run(keys.data_ptr<at::BFloat16>(), values.data_ptr<at::BFloat16>(), nk.data_ptr<at::BFloat16>(),
+        nv.data_ptr<at::BFloat16>());
   } else {
     run(keys.data_ptr<float>(), values.data_ptr<float>(), nk.data_ptr<float>(), nv.data_ptr<float>());
   }

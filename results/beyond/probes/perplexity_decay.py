@@ -19,7 +19,7 @@ import torch
 
 import h2o_kv
 from h2o_kv import H2O, KVCache
-from h2o_kv.eval.perplexity import text_windows
+from h2o_kv.eval.perplexity import perplexity_stats, stream_nll, text_windows
 
 torch.set_num_threads(1)
 seed, n, length, budget = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
@@ -38,12 +38,7 @@ def policy(name: str) -> H2O:
 
 
 with torch.no_grad():
-    full = []
-    for window in windows:
-        ids = window.view(1, -1)
-        logits = model(ids, use_cache=False).logits[0, :-1]
-        full.append(torch.nn.functional.cross_entropy(logits.float(), ids[0, 1:], reduction="none"))
-    full_ppl = math.exp(torch.cat(full).double().mean())
+    full_ppl = perplexity_stats(stream_nll(model, windows, "full", None))["ppl"]
     print(f"seed {seed}, {n} x {length}: full ppl {full_ppl:.3f}", flush=True)
     for name in sys.argv[5].split(","):
         begin, nll = time.time(), []
@@ -52,4 +47,8 @@ with torch.no_grad():
             logits = model(ids, past_key_values=KVCache(policy(name), prefill_chunk=1), use_cache=True).logits[0, :-1]
             nll.append(torch.nn.functional.cross_entropy(logits.float(), ids[0, 1:], reduction="none"))
         ppl = math.exp(torch.cat(nll).double().mean())
-        print(f"{name:16s} budget {budget:g}  ppl {ppl:.3f}  {100 * (ppl / full_ppl - 1):+.1f} %  {time.time() - begin:.0f}s", flush=True)
+        print(
+            f"{name:16s} budget {budget:g}  ppl {ppl:.3f}  {100 * (ppl / full_ppl - 1):+.1f} %"
+            f"  {time.time() - begin:.0f}s",
+            flush=True,
+        )

@@ -25,7 +25,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import h2o_kv
 from h2o_kv import H2O, KVCache
-from h2o_kv.eval.perplexity import text_windows
+from h2o_kv.eval.perplexity import perplexity_stats, stream_nll, text_windows
 from h2o_kv.policies.base import Policy
 
 torch.set_num_threads(1)
@@ -93,13 +93,7 @@ def record(ids, lookahead):
 
 model, tok = h2o_kv.load_model(model_name)
 windows = text_windows(tok, None, n=n, length=length, seed=0)
-full_nll = []
-with torch.no_grad():
-    for window in windows:
-        ids = window.view(1, -1)
-        logits = model(ids, use_cache=False).logits[0, :-1]
-        full_nll.append(torch.nn.functional.cross_entropy(logits.float(), ids[0, 1:], reduction="none"))
-full = math.exp(torch.cat(full_nll).double().mean())
+full = perplexity_stats(stream_nll(model, windows, "full", None))["ppl"]
 print(f"{model_name} {n} x {length}: full ppl {full:.3f}")
 for budget in budgets:
     cap = int(budget * length)

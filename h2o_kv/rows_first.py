@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from . import native
+from .fused_layer import use_fused_layers
 
 #: Above this many rows (a prefill, a large batch) the stock product is as fast or faster.
 MAX_ROWS = 16
@@ -42,6 +43,7 @@ class RowsFirstLinear(nn.Linear):
     kernel when `kernel` is set (float32 or bfloat16), else as (W @ x^T)^T."""
 
     kernel: bool = False
+    plain_product = True  # x @ W^T + b, as nn.Linear: fused_layer.py may compute it in its own kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -97,4 +99,5 @@ def use_rows_first(model: nn.Module, *, compile_kernel: bool | None = None) -> i
         swapped += 1
     if swapped and kernel:
         native.load()  # build now, not in the first decode step (nothing to build for a GPU model)
+        use_fused_layers(model)  # Llama layers: the small operations around the products in C++ too
     return swapped

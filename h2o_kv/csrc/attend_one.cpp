@@ -18,6 +18,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -46,63 +47,79 @@ inline Vec load_float(const int8_t* p) {
 #endif
 }
 
-// logits[j] = q . k_j for S keys [S, D]: V slots at a time, one
-// accumulator per slot (V independent chains over D), then one transpose turns the V partial vectors into
-// V dot products.
+// logits[g * S + j] = q_g . k_j for the G query heads q [G, D] of one KV head and its S keys [S, D]: V slots at a
+// time, read from memory once and multiplied by each query head in turn while they are in the core's L1 (one
+// accumulator per slot, V independent chains over D, then one transpose turns the V partial vectors into V dot
+// products).
 template <typename T>
-void dots(const float* q, const T* keys, int64_t S, int64_t D, float* logits) {
+void dots(const float* q, int64_t G, const T* keys, int64_t S, int64_t D, float* logits) {
   alignas(64) float partial[V * V], columns[V * V];
   int64_t s0 = 0;
   if (D % V == 0) {
     for (; s0 + V <= S; s0 += V) {
-      Vec acc[V];
       const T* k[V];
-      for (int j = 0; j < V; ++j) {
-        acc[j] = Vec(0.f);
-        k[j] = keys + (s0 + j) * D;
+      for (int j = 0; j < V; ++j) k[j] = keys + (s0 + j) * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + g * D;
+        Vec acc[V];
+        for (int j = 0; j < V; ++j) acc[j] = Vec(0.f);
+        for (int64_t d = 0; d < D; d += V) {
+          const Vec qd = Vec::loadu(qg + d);
+          for (int j = 0; j < V; ++j) acc[j] = at::vec::fmadd(qd, load_float(k[j] + d), acc[j]);
+        }
+        for (int j = 0; j < V; ++j) acc[j].store(partial + j * V);
+        at::vec::transpose_mxn<float, V, V>(partial, V, columns, V);
+        Vec sum = Vec::loadu(columns);
+        for (int i = 1; i < V; ++i) sum = sum + Vec::loadu(columns + i * V);
+        sum.store(logits + g * S + s0);
       }
-      for (int64_t d = 0; d < D; d += V) {
-        const Vec qd = Vec::loadu(q + d);
-        for (int j = 0; j < V; ++j) acc[j] = at::vec::fmadd(qd, load_float(k[j] + d), acc[j]);
-      }
-      for (int j = 0; j < V; ++j) acc[j].store(partial + j * V);
-      at::vec::transpose_mxn<float, V, V>(partial, V, columns, V);
-      Vec sum = Vec::loadu(columns);
-      for (int i = 1; i < V; ++i) sum = sum + Vec::loadu(columns + i * V);
-      sum.store(logits + s0);
     }
   }
   for (; s0 < S; ++s0) {  // the last S % V slots (all of them when D is not a multiple of V)
     const T* k = keys + s0 * D;
-    float sum = 0.f;
-    for (int64_t d = 0; d < D; ++d) sum += q[d] * static_cast<float>(k[d]);
-    logits[s0] = sum;
+    for (int64_t g = 0; g < G; ++g) {
+      float sum = 0.f;
+      for (int64_t d = 0; d < D; ++d) sum += q[g * D + d] * static_cast<float>(k[d]);
+      logits[g * S + s0] = sum;
+    }
   }
 }
 
-// out = sum_s p_s * values_s over S values [S, D], V lanes of the output at a time.
+// out[g] = sum_s p[g * S + s] * values_s for the G query heads and S values [S, D]: blocks of SB slots, read from
+// memory once and weighed by each head in turn while they are in L1, V lanes of the output at a time (each
+// output lane summed over the slots in order, as one pass per head would).
 template <typename T>
-void weighted_sum(const float* p, const T* values, int64_t S, int64_t D, float* out) {
-  int64_t d0 = 0;
-  for (; d0 + 4 * V <= D; d0 += 4 * V) {  // four independent accumulators in registers
-    Vec o0(0.f), o1(0.f), o2(0.f), o3(0.f);
-    for (int64_t s = 0; s < S; ++s) {
-      const Vec w(p[s]);
-      const T* v = values + s * D + d0;
-      o0 = at::vec::fmadd(w, load_float(v), o0);
-      o1 = at::vec::fmadd(w, load_float(v + V), o1);
-      o2 = at::vec::fmadd(w, load_float(v + 2 * V), o2);
-      o3 = at::vec::fmadd(w, load_float(v + 3 * V), o3);
+void weighted_sums(const float* p, int64_t G, const T* values, int64_t S, int64_t D, float* out) {
+  constexpr int64_t SB = 32;
+  std::fill(out, out + G * D, 0.f);
+  for (int64_t b0 = 0; b0 < S; b0 += SB) {
+    const int64_t b1 = std::min(S, b0 + SB);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* pg = p + g * S;
+      float* og = out + g * D;
+      int64_t d0 = 0;
+      for (; d0 + 4 * V <= D; d0 += 4 * V) {  // four independent accumulators in registers
+        Vec o0 = Vec::loadu(og + d0), o1 = Vec::loadu(og + d0 + V), o2 = Vec::loadu(og + d0 + 2 * V),
+            o3 = Vec::loadu(og + d0 + 3 * V);
+        for (int64_t s = b0; s < b1; ++s) {
+          const Vec w(pg[s]);
+          const T* v = values + s * D + d0;
+          o0 = at::vec::fmadd(w, load_float(v), o0);
+          o1 = at::vec::fmadd(w, load_float(v + V), o1);
+          o2 = at::vec::fmadd(w, load_float(v + 2 * V), o2);
+          o3 = at::vec::fmadd(w, load_float(v + 3 * V), o3);
+        }
+        o0.store(og + d0);
+        o1.store(og + d0 + V);
+        o2.store(og + d0 + 2 * V);
+        o3.store(og + d0 + 3 * V);
+      }
+      for (; d0 < D; ++d0) {
+        float sum = og[d0];
+        for (int64_t s = b0; s < b1; ++s) sum += pg[s] * static_cast<float>(values[s * D + d0]);
+        og[d0] = sum;
+      }
     }
-    o0.store(out + d0);
-    o1.store(out + d0 + V);
-    o2.store(out + d0 + 2 * V);
-    o3.store(out + d0 + 3 * V);
-  }
-  for (; d0 < D; ++d0) {
-    float sum = 0.f;
-    for (int64_t s = 0; s < S; ++s) sum += p[s] * static_cast<float>(values[s * D + d0]);
-    out[d0] = sum;
   }
 }
 
@@ -116,28 +133,25 @@ void softmax(float* x, int64_t n) {
 
 // One (sequence, KV head) row: its G query heads' logits, softmax (into probs [G, S]) and outputs (out [G, D]).
 // KV is float32, or int8 widened in registers as it is read, with its per-slot scales applied to the logits
-// (q . k8_j * s_j) and folded into the output's weights (p_j t_j, in `weights` [S]). slot_pos masks empty slots.
+// (q . k8_j * s_j) and folded into the output's weights (p_j t_j, in `weights` [G, S]). slot_pos masks empty slots.
 template <typename KV>
 void attend_row(const float* q, const KV* keys, const KV* values, const float* ks, const float* vs,
                 const int64_t* slot_pos, int64_t S, int64_t D, int64_t G, float cap, float* out, float* probs,
                 float* weights) {
   const float hidden = -std::numeric_limits<float>::infinity();
+  dots(q, G, keys, S, D, probs);
   for (int64_t g = 0; g < G; ++g) {
     float* p = probs + g * S;
-    dots(q + g * D, keys, S, D, p);
     for (int64_t s = 0; s < S; ++s) {
       float x = ks ? p[s] * ks[s] : p[s];
       if (cap > 0.f) x = std::tanh(x / cap) * cap;
       p[s] = slot_pos && slot_pos[s] < 0 ? hidden : x;
     }
     softmax(p, S);
-    const float* w = p;
-    if (vs) {
-      for (int64_t s = 0; s < S; ++s) weights[s] = p[s] * vs[s];
-      w = weights;
-    }
-    weighted_sum(w, values, S, D, out + g * D);
+    if (vs)
+      for (int64_t s = 0; s < S; ++s) weights[g * S + s] = p[s] * vs[s];
   }
+  weighted_sums(vs ? weights : probs, G, values, S, D, out);
 }
 
 // One row per task (attend_row), the slots' summed (scores) and averaged (last) probabilities written out.
@@ -145,7 +159,7 @@ template <typename KV>
 void attend_rows(const float* qp, const KV* kp, const KV* vp, const float* ksp, const float* vsp, const int64_t* pp,
                  int64_t B, int64_t H, int64_t S, int64_t D, int64_t G, float cap, float* op, float* sp, float* lp) {
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> probs(G * S), weights(vsp ? S : 0);  // one row's probabilities (and scaled ones)
+    std::vector<float> probs(G * S), weights(vsp ? G * S : 0);  // one row's probabilities (and scaled ones)
     for (int64_t r = begin; r < end; ++r) {
       attend_row(qp + r * G * D, kp + r * S * D, vp + r * S * D, ksp ? ksp + r * S : nullptr,
                  vsp ? vsp + r * S : nullptr, pp ? pp + r * S : nullptr, S, D, G, cap, op + r * G * D, probs.data(),
@@ -265,7 +279,7 @@ std::vector<at::Tensor> decode_step(const at::Tensor& q, const at::Tensor& keys,
   const float cap = static_cast<float>(softcap);
   auto run = [&](auto* kp, auto* valp, const auto* nkp, const auto* nvp) {
     at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> probs(G * S), weights(int8 ? S : 0);
+      std::vector<float> probs(G * S), weights(int8 ? G * S : 0);
       for (int64_t r = begin; r < end; ++r) {
         const int64_t b = r / H, s0 = slots[r];
         int64_t* rpos = pp + r * S;

@@ -18,6 +18,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <type_traits>
 #include <vector>
 
@@ -128,8 +129,184 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
   return out;
 }
 
+// ---- a Llama decoder layer's decode step (h2o_kv/fused_layer.py) ----------------------------------------------
+// The same operations as transformers' LlamaDecoderLayer on R <= 16 rows, in two calls around the cache's attention:
+// `layer_in` (RMSNorm, the q/k/v products, rotary embedding) and `layer_out` (output product, residual, RMSNorm, the
+// gate/up products, SiLU x up, down product, residual). Elementwise steps round to the model's dtype where the
+// model's own operations do (bfloat16), so they are its operations in one pass; the products are rows_columns'.
+
+template <typename T>
+inline float round_to(float v) {
+  return static_cast<float>(static_cast<T>(v));
+}
+
+// One weight of a product region: out [R, n] (+ bias) for weight [n, K].
+struct Part {
+  const at::Tensor* weight;
+  const c10::optional<at::Tensor>* bias;
+  at::Tensor out;
+};
+
+// x (float32, [R, K]) times several weights in one parallel region over all their output columns.
+template <typename T>
+void products(const float* x, int64_t R, int64_t K, std::vector<Part>& parts) {
+  int64_t total = 0;
+  for (auto& p : parts) total += p.weight->size(0);
+  at::parallel_for(0, total, 64, [&](int64_t j0, int64_t j1) {
+    int64_t base = 0;
+    for (auto& p : parts) {
+      const int64_t n = p.weight->size(0), a = std::max(j0, base) - base, b = std::min(j1, base + n) - base;
+      if (a < b) {
+        const T* bias = *p.bias ? (*p.bias)->data_ptr<T>() : nullptr;
+        rows_columns<T>(x, p.weight->data_ptr<T>(), bias, R, K, n, a, b, p.out.data_ptr<T>());
+      }
+      base += n;
+    }
+  });
+}
+
+// LlamaRMSNorm of each row of h [R, K] into out (float32): x / sqrt(mean(x^2) + eps), rounded to T, times weight.
+template <typename T>
+void rms_norm(const float* h, const T* weight, double eps, int64_t R, int64_t K, float* out) {
+  for (int64_t r = 0; r < R; ++r) {
+    const float* x = h + r * K;
+    float sum = 0.f;
+    for (int64_t k = 0; k < K; ++k) sum += x[k] * x[k];
+    const float inv = 1.f / std::sqrt(sum / K + static_cast<float>(eps));
+    for (int64_t k = 0; k < K; ++k)
+      out[r * K + k] = round_to<T>(static_cast<float>(weight[k]) * round_to<T>(x[k] * inv));
+  }
+}
+
+at::Tensor widened(const at::Tensor& t) {
+  return t.to(at::kFloat).contiguous();
+}
+
+void check_weight(const at::Tensor& w, const c10::optional<at::Tensor>& b, at::ScalarType dtype, int64_t K) {
+  TORCH_CHECK(w.scalar_type() == dtype && w.dim() == 2 && w.size(1) == K && w.is_contiguous(),
+              "fused layer: weights contiguous [N, K] in the hidden states' dtype");
+  TORCH_CHECK(!b || (b->scalar_type() == dtype && b->dim() == 1 && b->size(0) == w.size(0) && b->is_contiguous()),
+              "fused layer: bias [N] in the hidden states' dtype");
+}
+
+// x [B, T, K] -> q, k, v [B, T, heads * D] with the rotary embedding (cos, sin [B or 1, T, D]) on q and k.
+template <typename T>
+std::vector<at::Tensor> layer_in_impl(const at::Tensor& x, const at::Tensor& norm, double eps, std::vector<Part>& parts,
+                                      const at::Tensor& cos, const at::Tensor& sin, int64_t D) {
+  const int64_t B = x.size(0), S = x.size(1), K = x.size(2), R = B * S;
+  const at::Tensor xf = widened(x);
+  std::vector<float> xn(R * K);
+  rms_norm<T>(xf.data_ptr<float>(), norm.data_ptr<T>(), eps, R, K, xn.data());
+  products<T>(xn.data(), R, K, parts);
+  const T* c = cos.data_ptr<T>();
+  const T* s = sin.data_ptr<T>();
+  const int64_t half = D / 2;
+  std::vector<float> row(D);
+  for (int p = 0; p < 2; ++p) {  // q and k: x * cos + rotate_half(x) * sin, per head
+    T* out = parts[p].out.data_ptr<T>();
+    const int64_t N = parts[p].weight->size(0);
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t at_cs = ((cos.size(0) == 1 ? 0 : r / S) * S + r % S) * D;
+      for (int64_t h = 0; h < N / D; ++h) {
+        T* v = out + r * N + h * D;
+        for (int64_t i = 0; i < D; ++i) row[i] = static_cast<float>(v[i]);
+        for (int64_t i = 0; i < D; ++i) {
+          const float rotated = i < half ? -row[i + half] : row[i - half];
+          const float a = round_to<T>(row[i] * static_cast<float>(c[at_cs + i]));
+          const float b = round_to<T>(rotated * static_cast<float>(s[at_cs + i]));
+          v[i] = static_cast<T>(a + b);
+        }
+      }
+    }
+  }
+  return {parts[0].out.view({B, S, -1}), parts[1].out.view({B, S, -1}), parts[2].out.view({B, S, -1})};
+}
+
+std::vector<at::Tensor> layer_in(const at::Tensor& x, const at::Tensor& norm, double eps, const at::Tensor& wq,
+                                 const c10::optional<at::Tensor>& bq, const at::Tensor& wk,
+                                 const c10::optional<at::Tensor>& bk, const at::Tensor& wv,
+                                 const c10::optional<at::Tensor>& bv, const at::Tensor& cos, const at::Tensor& sin,
+                                 int64_t head_dim) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "fused layer: float32 or bfloat16 hidden states");
+  TORCH_CHECK(x.dim() == 3 && x.size(0) * x.size(1) <= 16, "fused layer: x [B, T, K] with at most 16 rows");
+  const int64_t K = x.size(2), R = x.size(0) * x.size(1);
+  TORCH_CHECK(norm.scalar_type() == dtype && norm.numel() == K && norm.is_contiguous(), "fused layer: norm weight [K]");
+  for (auto* w : {&wq, &wk, &wv}) TORCH_CHECK(w->size(0) % head_dim == 0 && head_dim % 2 == 0, "fused layer: heads");
+  check_weight(wq, bq, dtype, K);
+  check_weight(wk, bk, dtype, K);
+  check_weight(wv, bv, dtype, K);
+  TORCH_CHECK(cos.scalar_type() == dtype && sin.scalar_type() == dtype && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.sizes() == sin.sizes() && cos.dim() == 3 && (cos.size(0) == 1 || cos.size(0) == x.size(0)) &&
+                  cos.size(1) == x.size(1) && cos.size(2) == head_dim,
+              "fused layer: cos and sin [B or 1, T, head_dim] in the hidden states' dtype");
+  std::vector<Part> parts{{&wq, &bq, at::empty({R, wq.size(0)}, x.options())},
+                          {&wk, &bk, at::empty({R, wk.size(0)}, x.options())},
+                          {&wv, &bv, at::empty({R, wv.size(0)}, x.options())}};
+  if (dtype == at::kFloat) return layer_in_impl<float>(x, norm, eps, parts, cos, sin, head_dim);
+  return layer_in_impl<at::BFloat16>(x, norm, eps, parts, cos, sin, head_dim);
+}
+
+template <typename T>
+at::Tensor layer_out_impl(const at::Tensor& x, const at::Tensor& attn, double eps, const at::Tensor& norm,
+                          std::vector<Part>& o, std::vector<Part>& gate_up, std::vector<Part>& down) {
+  const int64_t B = x.size(0), S = x.size(1), K = x.size(2), R = B * S, A = attn.size(2);
+  const int64_t I = gate_up[0].weight->size(0);
+  const at::Tensor af = widened(attn);
+  products<T>(af.data_ptr<float>(), R, A, o);  // o_proj
+  const at::Tensor xc = x.contiguous();
+  const T* xs = xc.data_ptr<T>();
+  const T* os = o[0].out.data_ptr<T>();
+  std::vector<float> h(R * K), hn(R * K), act(R * I);
+  for (int64_t i = 0; i < R * K; ++i) h[i] = round_to<T>(static_cast<float>(xs[i]) + static_cast<float>(os[i]));
+  rms_norm<T>(h.data(), norm.data_ptr<T>(), eps, R, K, hn.data());
+  products<T>(hn.data(), R, K, gate_up);
+  const T* g = gate_up[0].out.data_ptr<T>();
+  const T* u = gate_up[1].out.data_ptr<T>();
+  for (int64_t i = 0; i < R * I; ++i) {
+    const float gi = static_cast<float>(g[i]);
+    act[i] = round_to<T>(round_to<T>(gi / (1.f + std::exp(-gi))) * static_cast<float>(u[i]));
+  }
+  products<T>(act.data(), R, I, down);
+  T* out = down[0].out.data_ptr<T>();
+  for (int64_t i = 0; i < R * K; ++i) out[i] = static_cast<T>(h[i] + static_cast<float>(out[i]));
+  return down[0].out.view({B, S, K});
+}
+
+at::Tensor layer_out(const at::Tensor& x, const at::Tensor& attn, const at::Tensor& wo,
+                     const c10::optional<at::Tensor>& bo, const at::Tensor& norm, double eps, const at::Tensor& wg,
+                     const c10::optional<at::Tensor>& bg, const at::Tensor& wu, const c10::optional<at::Tensor>& bu,
+                     const at::Tensor& wd, const c10::optional<at::Tensor>& bd) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "fused layer: float32 or bfloat16 hidden states");
+  TORCH_CHECK(x.dim() == 3 && x.size(0) * x.size(1) <= 16, "fused layer: x [B, T, K] with at most 16 rows");
+  TORCH_CHECK(attn.scalar_type() == dtype && attn.dim() == 3 && attn.size(0) == x.size(0) && attn.size(1) == x.size(1),
+              "fused layer: attention output [B, T, A] in the hidden states' dtype");
+  const int64_t K = x.size(2), R = x.size(0) * x.size(1);
+  TORCH_CHECK(norm.scalar_type() == dtype && norm.numel() == K && norm.is_contiguous(), "fused layer: norm weight [K]");
+  check_weight(wo, bo, dtype, attn.size(2));
+  TORCH_CHECK(wo.size(0) == K, "fused layer: o_proj [K, A]");
+  check_weight(wg, bg, dtype, K);
+  check_weight(wu, bu, dtype, K);
+  TORCH_CHECK(wu.size(0) == wg.size(0), "fused layer: gate and up of one size");
+  check_weight(wd, bd, dtype, wg.size(0));
+  TORCH_CHECK(wd.size(0) == K, "fused layer: down_proj [K, I]");
+  std::vector<Part> o{{&wo, &bo, at::empty({R, K}, x.options())}};
+  std::vector<Part> gate_up{{&wg, &bg, at::empty({R, wg.size(0)}, x.options())},
+                            {&wu, &bu, at::empty({R, wu.size(0)}, x.options())}};
+  std::vector<Part> down{{&wd, &bd, at::empty({R, K}, x.options())}};
+  if (dtype == at::kFloat) return layer_out_impl<float>(x, attn, eps, norm, o, gate_up, down);
+  return layer_out_impl<at::BFloat16>(x, attn, eps, norm, o, gate_up, down);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(h2o_kv, m) {
   m.def("rows_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor", &rows_linear);
+  m.def("layer_in(Tensor x, Tensor norm, float eps, Tensor wq, Tensor? bq, Tensor wk, Tensor? bk, Tensor wv, "
+        "Tensor? bv, Tensor cos, Tensor sin, int head_dim) -> Tensor[]",
+        &layer_in);
+  m.def("layer_out(Tensor x, Tensor attn, Tensor wo, Tensor? bo, Tensor norm, float eps, Tensor wg, Tensor? bg, "
+        "Tensor wu, Tensor? bu, Tensor wd, Tensor? bd) -> Tensor",
+        &layer_out);
 }

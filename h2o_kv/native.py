@@ -18,7 +18,8 @@ or read memory slower, than needed.
   head-pooled layer's whole decode step as `decode_step` is a uniform layer's.
 - `rows_linear` (`csrc/rows_linear.cpp`): a linear layer for the few rows of a decode step (rows_first.py).
   MKL's products at 4 rows read the weights at about half the memory's speed; this kernel streams each
-  weight row once.
+  weight row once. `layer_in` and `layer_out` (same file): a Llama decoder layer's decode step around the
+  cache (fused_layer.py), its norms, rotary embedding, SiLU and residuals with those products.
 
 They are built at the first decode step that needs them on a CPU, with torch's extension builder (ninja
 and a C++ compiler; about 20 s once per machine, then loaded from torch's extension cache,

@@ -9,7 +9,8 @@ speed. h2o-kv's C++ kernel (`native.rows_linear`, `csrc/rows_linear.cpp`) stream
 (float rounding apart).
 
 `use_rows_first(model)` swaps each plain `nn.Linear` under the decoder (`model.base_model`), and the
-output projection, for a `RowsFirstLinear` holding the same parameters, so the state dict, the weights'
+output projection, for a `RowsFirstLinear` holding the same parameters (and, with the C++ kernel, each stock
+Llama decoder layer for fused_layer.py's, whose decode step runs the same products in its own C++ calls), so the state dict, the weights'
 memory, tied embeddings and the model's classes stay as they are. Its `compile_kernel` is `KVCache`'s
 (`native.resolve`): None uses the C++ kernel where it can be built, else the weight-first torch product.
 The swap is the standard module swap of PyTorch's quantization tools, not a patched class. It speeds up
@@ -31,7 +32,8 @@ MAX_ROWS = 16
 #: The `--rows-first` flag of generate, bench and serve.
 CLI_HELP = (
     "on CPU, compute the linear layers weight-first at up to 16 rows, with h2o-kv's C++ kernel where it can be "
-    "built (a faster decode step for every cache; h2o_kv.rows_first)"
+    "built, and on Llama models a decoder layer's small operations in C++ too (a faster decode step for every "
+    "cache; h2o_kv.rows_first, h2o_kv.fused_layer)"
 )
 
 #: The dtypes the C++ kernel multiplies (others take the torch product).

@@ -12,14 +12,21 @@ import torch
 
 import h2o_kv.generation as g
 from h2o_kv.bench.config import new_cache, policy_for
-from h2o_kv.fused_layer import use_fused_layers
+from h2o_kv import rows_first
+from h2o_kv.fused_layer import FusedLlamaDecoderLayer, use_fused_layers
 from h2o_kv.models import load_model
 
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 2048
 dtype = sys.argv[2] if len(sys.argv) > 2 else "float32"
-rows = load_model("smollm2-135m", rows_first=True, dtype=dtype)[0]
-fused = load_model("smollm2-135m", rows_first=True, dtype=dtype)[0]
-print(f"# {n} tokens x 4, {dtype}, {torch.get_num_threads()} threads; fused layers swapped: {use_fused_layers(fused)}")
+rows = load_model("smollm2-135m", dtype=dtype)[0]
+rows_first.use_fused_layers = lambda model: 0  # this model: the linear swap alone, as before fused_layer.py
+rows_first.use_rows_first(rows)
+fused = load_model("smollm2-135m", dtype=dtype)[0]
+rows_first.use_fused_layers = use_fused_layers
+rows_first.use_rows_first(fused)
+layers = sum(type(m) is FusedLlamaDecoderLayer for m in fused.modules())
+assert not any(type(m) is FusedLlamaDecoderLayer for m in rows.modules())
+print(f"# {n} tokens x 4, {dtype}, {torch.get_num_threads()} threads; fused layers: {layers}")
 torch.manual_seed(0)
 prompt = torch.randint(100, 30000, (4, n))
 t = torch.randint(100, 30000, (4, 1))

@@ -114,7 +114,8 @@ def fusable(layer: nn.Module) -> bool:
 def use_fused_layers(model: nn.Module) -> int:
     """Swap each stock `LlamaDecoderLayer` of `model` for a `FusedLlamaDecoderLayer` holding the same
     submodules; return how many were swapped (0 for other architectures, or when called again). Needs
-    h2o-kv's C++ kernels (native.py; built here, once per machine)."""
+    h2o-kv's C++ kernels (native.py; built here, once per machine). `use_rows_first` calls it after its own
+    swap; a submodule swapped after this one is not among those whose hooks the layer checks."""
     slots = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()]
     swapped = 0
     for parent, name, child in slots:

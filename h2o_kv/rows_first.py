@@ -10,7 +10,8 @@ speed. h2o-kv's C++ kernel (`native.rows_linear`, `csrc/rows_linear.cpp`) stream
 
 `use_rows_first(model)` swaps each plain `nn.Linear` under the decoder (`model.base_model`), and the
 output projection, for a `RowsFirstLinear` holding the same parameters (and, with the C++ kernel, each stock
-Llama decoder layer for fused_layer.py's, whose decode step runs the same products in its own C++ calls), so the state dict, the weights'
+Llama decoder layer for fused_layer.py's, whose decode step runs the same products in its own C++ calls),
+so the state dict, the weights'
 memory, tied embeddings and the model's classes stay as they are. Its `compile_kernel` is `KVCache`'s
 (`native.resolve`): None uses the C++ kernel where it can be built, else the weight-first torch product.
 The swap is the standard module swap of PyTorch's quantization tools, not a patched class. It speeds up

@@ -101,6 +101,11 @@ void rows_columns(const float* x, const T* w, const T* bias, int64_t R, int64_t 
   }
 }
 
+// t as float32, contiguous (no copy when it already is).
+at::Tensor widened(const at::Tensor& t) {
+  return t.to(at::kFloat).contiguous();
+}
+
 // x [R, K], weight [N, K], bias [N] or none, all float32 or all bfloat16; returns [R, N] in that dtype.
 at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   const auto dtype = weight.scalar_type();
@@ -110,7 +115,7 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "rows_linear: x [R, K], weight [N, K]");
   TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == weight.size(0)), "rows_linear: bias [N]");
   const int64_t R = x.size(0), K = x.size(1), N = weight.size(0);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();  // rows widened once, reread from the cache
+  const at::Tensor xf = widened(x);  // rows widened once, reread from the cache
   const at::Tensor wc = weight.contiguous();
   const at::Tensor bc = bias ? bias->contiguous() : at::Tensor();
   at::Tensor out = at::empty({R, N}, x.options());
@@ -176,10 +181,6 @@ void rms_norm(const float* h, const T* weight, double eps, int64_t R, int64_t K,
     for (int64_t k = 0; k < K; ++k)
       out[r * K + k] = round_to<T>(static_cast<float>(weight[k]) * round_to<T>(x[k] * inv));
   }
-}
-
-at::Tensor widened(const at::Tensor& t) {
-  return t.to(at::kFloat).contiguous();
 }
 
 void check_weight(const at::Tensor& w, const c10::optional<at::Tensor>& b, at::ScalarType dtype, int64_t K) {

@@ -183,6 +183,16 @@ void rms_norm(const float* h, const T* weight, double eps, int64_t R, int64_t K,
   }
 }
 
+// The hidden states x [B, T, K] (float32 or bfloat16, at most 16 rows) and a norm weight [K] of their dtype.
+at::ScalarType check_hidden(const at::Tensor& x, const at::Tensor& norm) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "fused layer: float32 or bfloat16 hidden states");
+  TORCH_CHECK(x.dim() == 3 && x.size(0) * x.size(1) <= 16, "fused layer: x [B, T, K] with at most 16 rows");
+  TORCH_CHECK(norm.scalar_type() == dtype && norm.numel() == x.size(2) && norm.is_contiguous(),
+              "fused layer: norm weight [K]");
+  return dtype;
+}
+
 void check_weight(const at::Tensor& w, const c10::optional<at::Tensor>& b, at::ScalarType dtype, int64_t K) {
   TORCH_CHECK(w.scalar_type() == dtype && w.dim() == 2 && w.size(1) == K && w.is_contiguous(),
               "fused layer: weights contiguous [N, K] in the hidden states' dtype");
@@ -228,11 +238,8 @@ std::vector<at::Tensor> layer_in(const at::Tensor& x, const at::Tensor& norm, do
                                  const c10::optional<at::Tensor>& bk, const at::Tensor& wv,
                                  const c10::optional<at::Tensor>& bv, const at::Tensor& cos, const at::Tensor& sin,
                                  int64_t head_dim) {
-  const auto dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "fused layer: float32 or bfloat16 hidden states");
-  TORCH_CHECK(x.dim() == 3 && x.size(0) * x.size(1) <= 16, "fused layer: x [B, T, K] with at most 16 rows");
+  const auto dtype = check_hidden(x, norm);
   const int64_t K = x.size(2), R = x.size(0) * x.size(1);
-  TORCH_CHECK(norm.scalar_type() == dtype && norm.numel() == K && norm.is_contiguous(), "fused layer: norm weight [K]");
   for (auto* w : {&wq, &wk, &wv}) TORCH_CHECK(w->size(0) % head_dim == 0 && head_dim % 2 == 0, "fused layer: heads");
   check_weight(wq, bq, dtype, K);
   check_weight(wk, bk, dtype, K);
@@ -278,13 +285,10 @@ at::Tensor layer_out(const at::Tensor& x, const at::Tensor& attn, const at::Tens
                      const c10::optional<at::Tensor>& bo, const at::Tensor& norm, double eps, const at::Tensor& wg,
                      const c10::optional<at::Tensor>& bg, const at::Tensor& wu, const c10::optional<at::Tensor>& bu,
                      const at::Tensor& wd, const c10::optional<at::Tensor>& bd) {
-  const auto dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "fused layer: float32 or bfloat16 hidden states");
-  TORCH_CHECK(x.dim() == 3 && x.size(0) * x.size(1) <= 16, "fused layer: x [B, T, K] with at most 16 rows");
+  const auto dtype = check_hidden(x, norm);
   TORCH_CHECK(attn.scalar_type() == dtype && attn.dim() == 3 && attn.size(0) == x.size(0) && attn.size(1) == x.size(1),
               "fused layer: attention output [B, T, A] in the hidden states' dtype");
   const int64_t K = x.size(2), R = x.size(0) * x.size(1);
-  TORCH_CHECK(norm.scalar_type() == dtype && norm.numel() == K && norm.is_contiguous(), "fused layer: norm weight [K]");
   check_weight(wo, bo, dtype, attn.size(2));
   TORCH_CHECK(wo.size(0) == K, "fused layer: o_proj [K, A]");
   check_weight(wg, bg, dtype, K);

@@ -47,31 +47,53 @@ inline Vec load_float(const int8_t* p) {
 #endif
 }
 
+// Asks for `bytes` from p on, a cache line at a time (nothing when p is null): the memory keeps streaming the
+// row's next data while the core computes on what it has.
+inline void prefetch(const void* p, int64_t bytes) {
+  if (!p) return;
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
+}
+
+// The V lane totals of V vectors (acc[j]'s lanes summed into lane j). AVX2: a tree of horizontal adds in
+// registers; wider vectors: a transpose through memory, then the columns summed.
+inline Vec lane_totals(const Vec* acc) {
+#if defined(CPU_CAPABILITY_AVX2)
+  const __m256 a = _mm256_hadd_ps(acc[0], acc[1]), b = _mm256_hadd_ps(acc[2], acc[3]);
+  const __m256 c = _mm256_hadd_ps(acc[4], acc[5]), d = _mm256_hadd_ps(acc[6], acc[7]);
+  const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);  // [0..3 low halves | 0..3 high], [4..7 ...]
+  return Vec(_mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31)));
+#else
+  alignas(64) float partial[V * V], columns[V * V];
+  for (int j = 0; j < V; ++j) acc[j].store(partial + j * V);
+  at::vec::transpose_mxn<float, V, V>(partial, V, columns, V);
+  Vec sum = Vec::loadu(columns);
+  for (int i = 1; i < V; ++i) sum = sum + Vec::loadu(columns + i * V);
+  return sum;
+#endif
+}
+
 // logits[g * S + j] = q_g . k_j for the G query heads q [G, D] of one KV head and its S keys [S, D]: V slots at a
 // time, read from memory once and multiplied by each query head in turn while they are in the core's L1 (one
-// accumulator per slot, V independent chains over D, then one transpose turns the V partial vectors into V dot
+// accumulator per slot, V independent chains over D, then lane_totals turns the V partial vectors into V dot
 // products).
 template <typename T>
-void dots(const float* q, int64_t G, const T* keys, int64_t S, int64_t D, float* logits) {
-  alignas(64) float partial[V * V], columns[V * V];
+void dots(const float* q, int64_t G, const T* keys, int64_t S, int64_t D, float* logits, const T* then = nullptr) {
   int64_t s0 = 0;
   if (D % V == 0) {
     for (; s0 + V <= S; s0 += V) {
-      const T* k[V];
-      for (int j = 0; j < V; ++j) k[j] = keys + (s0 + j) * D;
+      const T* k = keys + s0 * D;
+      prefetch(k + 16 * V * D, V * D * sizeof(T));  // the keys 16 blocks ahead
+      if (then) prefetch(then + s0 * D, V * D * sizeof(T));  // and what comes next (the row's values)
       for (int64_t g = 0; g < G; ++g) {
         const float* qg = q + g * D;
         Vec acc[V];
         for (int j = 0; j < V; ++j) acc[j] = Vec(0.f);
         for (int64_t d = 0; d < D; d += V) {
           const Vec qd = Vec::loadu(qg + d);
-          for (int j = 0; j < V; ++j) acc[j] = at::vec::fmadd(qd, load_float(k[j] + d), acc[j]);
+          for (int j = 0; j < V; ++j) acc[j] = at::vec::fmadd(qd, load_float(k + j * D + d), acc[j]);
         }
-        for (int j = 0; j < V; ++j) acc[j].store(partial + j * V);
-        at::vec::transpose_mxn<float, V, V>(partial, V, columns, V);
-        Vec sum = Vec::loadu(columns);
-        for (int i = 1; i < V; ++i) sum = sum + Vec::loadu(columns + i * V);
-        sum.store(logits + g * S + s0);
+        lane_totals(acc).store(logits + g * S + s0);
       }
     }
   }
@@ -85,40 +107,54 @@ void dots(const float* q, int64_t G, const T* keys, int64_t S, int64_t D, float*
   }
 }
 
+// out[g * D + d0 ..] += sum over slots b0 .. b1 - 1 of p[g * S + s] * values_s, for NG query heads at once and W
+// vectors of the output (NG x W accumulators in registers: independent chains, each value vector read once
+// per head from L1), each lane summed over the slots in order.
+template <typename T, int NG, int W>
+inline void weigh(const float* p, int64_t S, const T* values, int64_t D, int64_t b0, int64_t b1, int64_t d0,
+                  float* out) {
+  Vec o[NG][W];
+  for (int g = 0; g < NG; ++g)
+    for (int w = 0; w < W; ++w) o[g][w] = Vec::loadu(out + g * D + d0 + w * V);
+  for (int64_t s = b0; s < b1; ++s) {
+    const T* v = values + s * D + d0;
+    for (int g = 0; g < NG; ++g) {
+      const Vec pw(p[g * S + s]);
+      for (int w = 0; w < W; ++w) o[g][w] = at::vec::fmadd(pw, load_float(v + w * V), o[g][w]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int w = 0; w < W; ++w) o[g][w].store(out + g * D + d0 + w * V);
+}
+
 // out[g] = sum_s p[g * S + s] * values_s for the G query heads and S values [S, D]: blocks of SB slots, read from
-// memory once and weighed by each head in turn while they are in L1, V lanes of the output at a time (each
-// output lane summed over the slots in order, as one pass per head would).
+// memory once and weighed by the heads (three at a time, weigh) while they are in L1, 4 V lanes of the output
+// at a time (each output lane summed over the slots in order, as one pass per head would).
 template <typename T>
-void weighted_sums(const float* p, int64_t G, const T* values, int64_t S, int64_t D, float* out) {
+void weighted_sums(const float* p, int64_t G, const T* values, int64_t S, int64_t D, float* out,
+                   const T* then = nullptr) {
   constexpr int64_t SB = 32;
   std::fill(out, out + G * D, 0.f);
   for (int64_t b0 = 0; b0 < S; b0 += SB) {
     const int64_t b1 = std::min(S, b0 + SB);
-    for (int64_t g = 0; g < G; ++g) {
+    prefetch(values + std::min(S, b1 + SB) * D, (std::min(S, b1 + 2 * SB) - std::min(S, b1 + SB)) * D * sizeof(T));
+    if (then) prefetch(then + b0 * D, (b1 - b0) * D * sizeof(T));  // the next row's keys
+    for (int64_t g = 0; g < G; g += 3) {
       const float* pg = p + g * S;
       float* og = out + g * D;
+      const int64_t heads = std::min<int64_t>(3, G - g);
       int64_t d0 = 0;
-      for (; d0 + 4 * V <= D; d0 += 4 * V) {  // four independent accumulators in registers
-        Vec o0 = Vec::loadu(og + d0), o1 = Vec::loadu(og + d0 + V), o2 = Vec::loadu(og + d0 + 2 * V),
-            o3 = Vec::loadu(og + d0 + 3 * V);
-        for (int64_t s = b0; s < b1; ++s) {
-          const Vec w(pg[s]);
-          const T* v = values + s * D + d0;
-          o0 = at::vec::fmadd(w, load_float(v), o0);
-          o1 = at::vec::fmadd(w, load_float(v + V), o1);
-          o2 = at::vec::fmadd(w, load_float(v + 2 * V), o2);
-          o3 = at::vec::fmadd(w, load_float(v + 3 * V), o3);
+      for (; d0 + 4 * V <= D; d0 += 4 * V) {
+        if (heads == 3) weigh<T, 3, 4>(pg, S, values, D, b0, b1, d0, og);
+        else if (heads == 2) weigh<T, 2, 4>(pg, S, values, D, b0, b1, d0, og);
+        else weigh<T, 1, 4>(pg, S, values, D, b0, b1, d0, og);
+      }
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t d = d0; d < D; ++d) {  // the last D % 4V lanes
+          float sum = og[h * D + d];
+          for (int64_t s = b0; s < b1; ++s) sum += pg[h * S + s] * static_cast<float>(values[s * D + d]);
+          og[h * D + d] = sum;
         }
-        o0.store(og + d0);
-        o1.store(og + d0 + V);
-        o2.store(og + d0 + 2 * V);
-        o3.store(og + d0 + 3 * V);
-      }
-      for (; d0 < D; ++d0) {
-        float sum = og[d0];
-        for (int64_t s = b0; s < b1; ++s) sum += pg[s] * static_cast<float>(values[s * D + d0]);
-        og[d0] = sum;
-      }
     }
   }
 }
@@ -137,9 +173,9 @@ void softmax(float* x, int64_t n) {
 template <typename KV>
 void attend_row(const float* q, const KV* keys, const KV* values, const float* ks, const float* vs,
                 const int64_t* slot_pos, int64_t S, int64_t D, int64_t G, float cap, float* out, float* probs,
-                float* weights) {
+                float* weights, const KV* next_keys = nullptr) {
   const float hidden = -std::numeric_limits<float>::infinity();
-  dots(q, G, keys, S, D, probs);
+  dots(q, G, keys, S, D, probs, values);
   for (int64_t g = 0; g < G; ++g) {
     float* p = probs + g * S;
     for (int64_t s = 0; s < S; ++s) {
@@ -151,7 +187,7 @@ void attend_row(const float* q, const KV* keys, const KV* values, const float* k
     if (vs)
       for (int64_t s = 0; s < S; ++s) weights[g * S + s] = p[s] * vs[s];
   }
-  weighted_sums(vs ? weights : probs, G, values, S, D, out);
+  weighted_sums(vs ? weights : probs, G, values, S, D, out, next_keys);
 }
 
 // One row per task (attend_row), the slots' summed (scores) and averaged (last) probabilities written out.
@@ -293,7 +329,8 @@ std::vector<at::Tensor> decode_step(const at::Tensor& q, const at::Tensor& keys,
         }
         rpos[s0] = qposp[b];
         attend_row(qp + r * G * D, kp + r * S * D, valp + r * S * D, ksp ? ksp + r * S : nullptr,
-                   vsp ? vsp + r * S : nullptr, rpos, S, D, G, cap, op + r * G * D, probs.data(), weights.data());
+                   vsp ? vsp + r * S : nullptr, rpos, S, D, G, cap, op + r * G * D, probs.data(), weights.data(),
+                   r + 1 < end ? kp + (r + 1) * S * D : nullptr);
         int64_t kept = 0;
         for (int64_t s = 0; s < S; ++s) {
           float total = 0.f;

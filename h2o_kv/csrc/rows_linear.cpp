@@ -24,6 +24,8 @@
 
 namespace {
 
+constexpr int64_t NEXT_BYTES = 32 * 1024;  // what a product region asks for of the next one, per thread
+
 using Vec = at::vec::Vectorized<float>;
 constexpr int V = Vec::size();
 
@@ -152,11 +154,39 @@ struct Part {
   at::Tensor out;
 };
 
-// x (float32, [R, K]) times several weights in one parallel region over all their output columns.
+// Rows [from, from + count) of the weights of `parts` taken as one column range (as a product region splits
+// them), asked for a cache line at a time: the start of what a thread reads in the region after this one,
+// streamed in while the others finish this one and the region's threads meet.
 template <typename T>
-void products(const float* x, int64_t R, int64_t K, std::vector<Part>& parts) {
-  int64_t total = 0;
+void prefetch_rows(const std::vector<Part>& parts, int64_t from, int64_t count) {
+  int64_t base = 0;
+  for (const auto& p : parts) {
+    const int64_t n = p.weight->size(0), K = p.weight->size(1), a = std::max(from, base) - base;
+    const int64_t b = std::min(from + count, base + n) - base;
+    if (a < b) {
+      const char* c = reinterpret_cast<const char*>(p.weight->data_ptr<T>() + a * K);
+      for (int64_t i = 0; i < (b - a) * K * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(c + i, 0, 3);
+    }
+    base += n;
+  }
+}
+
+// The first output column of this thread in a region of `total` columns split as at::parallel_for splits it
+// (grain 64), or `total` when it gets none.
+inline int64_t first_column(int64_t total) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (total + 63) / 64);
+  const int64_t chunk = (total + threads - 1) / threads, start = at::get_thread_num() * chunk;
+  return std::min(start, total);
+}
+
+// x (float32, [R, K]) times several weights in one parallel region over all their output columns; each thread
+// then asks for the first rows it reads in the `next` region, when there is one.
+template <typename T>
+void products(const float* x, int64_t R, int64_t K, std::vector<Part>& parts, const std::vector<Part>* next = nullptr) {
+  int64_t total = 0, next_total = 0;
   for (auto& p : parts) total += p.weight->size(0);
+  if (next)
+    for (auto& p : *next) next_total += p.weight->size(0);
   at::parallel_for(0, total, 64, [&](int64_t j0, int64_t j1) {
     int64_t base = 0;
     for (auto& p : parts) {
@@ -166,6 +196,10 @@ void products(const float* x, int64_t R, int64_t K, std::vector<Part>& parts) {
         rows_columns<T>(x, p.weight->data_ptr<T>(), bias, R, K, n, a, b, p.out.data_ptr<T>());
       }
       base += n;
+    }
+    if (next && next_total) {
+      const int64_t row_bytes = (*next)[0].weight->size(1) * static_cast<int64_t>(sizeof(T));
+      prefetch_rows<T>(*next, first_column(next_total), std::max<int64_t>(1, NEXT_BYTES / row_bytes));
     }
   });
 }
@@ -261,14 +295,14 @@ at::Tensor layer_out_impl(const at::Tensor& x, const at::Tensor& attn, double ep
   const int64_t B = x.size(0), S = x.size(1), K = x.size(2), R = B * S, A = attn.size(2);
   const int64_t I = gate_up[0].weight->size(0);
   const at::Tensor af = widened(attn);
-  products<T>(af.data_ptr<float>(), R, A, o);  // o_proj
+  products<T>(af.data_ptr<float>(), R, A, o, &gate_up);  // o_proj
   const at::Tensor xc = x.contiguous();
   const T* xs = xc.data_ptr<T>();
   const T* os = o[0].out.data_ptr<T>();
   std::vector<float> h(R * K), hn(R * K), act(R * I);
   for (int64_t i = 0; i < R * K; ++i) h[i] = round_to<T>(static_cast<float>(xs[i]) + static_cast<float>(os[i]));
   rms_norm<T>(h.data(), norm.data_ptr<T>(), eps, R, K, hn.data());
-  products<T>(hn.data(), R, K, gate_up);
+  products<T>(hn.data(), R, K, gate_up, &down);
   const T* g = gate_up[0].out.data_ptr<T>();
   const T* u = gate_up[1].out.data_ptr<T>();
   for (int64_t i = 0; i < R * I; ++i) {

@@ -46,42 +46,50 @@ class FusedLlamaDecoderLayer(LlamaDecoderLayer):
         if not self._fused(hidden_states, position_embeddings, kwargs):
             return super().forward(hidden_states, attention_mask, position_ids, past_key_values, use_cache,
                                    position_embeddings, **kwargs)  # fmt: skip
-        attn, mlp = self.self_attn, self.mlp
-        batch, length, _ = hidden_states.shape
+        attn, mlp, norm_in, norm_post = self._children()
+        (wq, bq), (wk, bk), (wv, bv) = (_linear(attn, name) for name in ("q_proj", "k_proj", "v_proj"))
         cos, sin = position_embeddings
         q, k, v = torch.ops.h2o_kv.layer_in(
-            hidden_states, self.input_layernorm.weight, self.input_layernorm.variance_epsilon,
-            attn.q_proj.weight, attn.q_proj.bias, attn.k_proj.weight, attn.k_proj.bias, attn.v_proj.weight,
-            attn.v_proj.bias, cos.contiguous(), sin.contiguous(), attn.head_dim,
+            hidden_states, norm_in._parameters["weight"], norm_in.variance_epsilon, wq, bq, wk, bk, wv, bv,
+            cos.contiguous(), sin.contiguous(), attn.head_dim,
         )  # fmt: skip
-        shape = (batch, length, -1, attn.head_dim)
-        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, attn.layer_idx)
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
         out, _ = interface(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, position_ids=position_ids,
                            use_cache=use_cache, **kwargs)  # fmt: skip
-        return torch.ops.h2o_kv.layer_out(
-            hidden_states, out.reshape(batch, length, -1), attn.o_proj.weight, attn.o_proj.bias,
-            self.post_attention_layernorm.weight, self.post_attention_layernorm.variance_epsilon,
-            mlp.gate_proj.weight, mlp.gate_proj.bias, mlp.up_proj.weight, mlp.up_proj.bias,
-            mlp.down_proj.weight, mlp.down_proj.bias,
-        )  # fmt: skip
+        (wo, bo), (wg, bg), (wu, bu), (wd, bd) = (_linear(m, name) for m, name in (
+            (attn, "o_proj"), (mlp, "gate_proj"), (mlp, "up_proj"), (mlp, "down_proj")))  # fmt: skip
+        return torch.ops.h2o_kv.layer_out(hidden_states, out, wo, bo, norm_post._parameters["weight"],
+                                          norm_post.variance_epsilon, wg, bg, wu, bu, wd, bd)  # fmt: skip
+
+    def _children(self) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
+        """The attention, MLP and two norms, read from the module's own dict (nn.Module's `__getattr__`
+        costs microseconds a name on a slow CPU, and a step reads about twenty)."""
+        mods = self._modules
+        return mods["self_attn"], mods["mlp"], mods["input_layernorm"], mods["post_attention_layernorm"]
 
     def _fused(self, hidden: torch.Tensor, position_embeddings, kwargs: dict) -> bool:
         """Whether this call takes the C++ step (else `LlamaDecoderLayer.forward`)."""
         rows = hidden.shape[0] * hidden.shape[1] if hidden.dim() == 3 else 0
+        norm = self._modules["input_layernorm"]._parameters["weight"]
         return (
             0 < rows <= MAX_ROWS
             and hidden.device.type == "cpu"
-            and hidden.dtype is self.input_layernorm.weight.dtype
+            and hidden.dtype is norm.dtype
             and hidden.dtype in DTYPES
             and position_embeddings is not None
             and not self.training
-            and not (torch.is_grad_enabled() and (hidden.requires_grad or self.input_layernorm.weight.requires_grad))
+            and not (torch.is_grad_enabled() and (hidden.requires_grad or norm.requires_grad))
             and not kwargs.get("output_attentions")
             and not any(m._forward_hooks or m._forward_pre_hooks for m in self._parts)
         )
+
+
+def _linear(parent: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight and bias of `parent`'s linear layer `name`, from the modules' dicts (as `_children`)."""
+    params = parent._modules[name]._parameters
+    return params["weight"], params["bias"]
 
 
 def _plain(module: nn.Module) -> bool:

@@ -255,12 +255,14 @@ std::vector<at::Tensor> attend_one(const at::Tensor& q, const at::Tensor& keys, 
 // A uniform layer's steady decode step (steady.Steady._decode_fused), in place, one (sequence, KV head) row per
 // task, each row's work in the order of the eager path's operations: the new token (new_keys, new_values
 // [B, H, 1, D] in the storage's dtype: float32, bfloat16, or int8 with their scales) goes into the row's vacant
-// slot `slot` [B, H, 1] at position qpos [B]; the G query heads attend (attend_row, empty slots masked); each slot's score
+// slot `slot` [B, H, 1] at position qpos [B]; the G query heads (q [B, Hq, 1, D] float32 or bfloat16, times
+// `scaling` in float32 as torch's q.float() * scaling) attend (attend_row, empty slots masked); each slot's score
 // gains the probability its query heads paid (and `last` gets their mean, when given); then the row frees the
 // oldest of its lowest priorities, where a kept token's priority is its score, or +inf for the `recent` [B]
 // newest positions (H2O's and SnapKV's ranking, policies' `protected_recent`), and an empty slot ranks -inf
-// in a row within its capacity [B] (it is "freed" instead) and +inf in a row over it. Returns the output
-// [B, Hq, D] and the freed slots [B, H, 1] (where the next step writes).
+// in a row within its capacity [B] (it is "freed" instead) and +inf in a row over it. qpos, recent and
+// capacity may come in any shape of B numbers. Returns the output [B, 1, Hq, D] float32 and the freed slots
+// [B, H, 1] (where the next step writes).
 std::vector<at::Tensor> decode_step(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                                     const std::optional<at::Tensor>& key_scale,
                                     const std::optional<at::Tensor>& value_scale, const at::Tensor& pos, const at::Tensor& score,
@@ -268,17 +270,19 @@ std::vector<at::Tensor> decode_step(const at::Tensor& q, const at::Tensor& keys,
                                     const at::Tensor& new_keys, const at::Tensor& new_values,
                                     const std::optional<at::Tensor>& new_key_scale,
                                     const std::optional<at::Tensor>& new_value_scale, const at::Tensor& qpos,
-                                    const at::Tensor& recent, const at::Tensor& capacity, double softcap) {
+                                    const at::Tensor& recent, const at::Tensor& capacity, double scaling,
+                                    double softcap) {
   const bool int8 = keys.scalar_type() == at::kChar, bf16 = keys.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == values.scalar_type()
-              && (int8 || bf16 || keys.scalar_type() == at::kFloat) && new_keys.scalar_type() == keys.scalar_type()
-              && new_values.scalar_type() == keys.scalar_type(),
-              "decode_step: float32 q, int8, bfloat16 or float32 keys/values and new ones alike");
+  TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16)
+              && keys.scalar_type() == values.scalar_type() && (int8 || bf16 || keys.scalar_type() == at::kFloat)
+              && new_keys.scalar_type() == keys.scalar_type() && new_values.scalar_type() == keys.scalar_type(),
+              "decode_step: float32 or bfloat16 q, int8, bfloat16 or float32 keys/values and new ones alike");
   TORCH_CHECK(int8 == (key_scale && value_scale && new_key_scale && new_value_scale),
               "decode_step: int8 storage comes with its scales and the new tokens' scales, float32 and bfloat16 "
               "without");
-  TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && keys.sizes() == values.sizes() && keys.size(0) == q.size(0)
-              && keys.size(3) == q.size(2) && q.size(1) % keys.size(1) == 0, "decode_step: shapes do not match");
+  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && keys.dim() == 4 && keys.sizes() == values.sizes()
+              && keys.size(0) == q.size(0) && keys.size(3) == q.size(3) && q.size(1) % keys.size(1) == 0,
+              "decode_step: shapes do not match");
   const int64_t B = keys.size(0), H = keys.size(1), S = keys.size(2), D = keys.size(3), G = q.size(1) / H;
   TORCH_CHECK(new_keys.numel() == B * H * D && new_values.numel() == B * H * D && slot.numel() == B * H
               && pos.sizes() == score.sizes() && pos.size(0) == B && pos.size(1) == H && pos.size(2) == S
@@ -294,14 +298,15 @@ std::vector<at::Tensor> decode_step(const at::Tensor& q, const at::Tensor& keys,
                         "decode_step: last like score");
   if (int8) TORCH_CHECK(key_scale->is_contiguous() && value_scale->is_contiguous() && key_scale->sizes() == pos.sizes()
                         && value_scale->sizes() == pos.sizes(), "decode_step: scales like pos, contiguous");
-  const at::Tensor qc = q.contiguous(), sc = slot.contiguous(), qposc = qpos.contiguous();
+  const at::Tensor qc = q.to(at::kFloat).mul(static_cast<float>(scaling)).contiguous();  // [B, Hq, 1, D]
+  const at::Tensor sc = slot.contiguous(), qposc = qpos.contiguous();
   const at::Tensor rc = recent.contiguous(), cc = capacity.contiguous();
   const at::Tensor nk = new_keys.contiguous(), nv = new_values.contiguous();
   const at::Tensor nks = int8 ? new_key_scale->contiguous() : at::Tensor();
   const at::Tensor nvs = int8 ? new_value_scale->contiguous() : at::Tensor();
   const int64_t* slots = sc.data_ptr<int64_t>();
   for (int64_t r = 0; r < B * H; ++r) TORCH_CHECK(slots[r] >= 0 && slots[r] < S, "decode_step: a slot out of range");
-  at::Tensor out = at::empty({B, G * H, D}, q.options());
+  at::Tensor out = at::empty({B, 1, G * H, D}, qc.options());
   at::Tensor victims = at::empty({B, H, 1}, slot.options());
   const float* qp = qc.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -378,6 +383,6 @@ TORCH_LIBRARY(h2o_kv, m) {
   m.def("decode_step(Tensor q, Tensor(a!) keys, Tensor(b!) values, Tensor(c!)? key_scale, Tensor(d!)? value_scale, "
         "Tensor(e!) pos, Tensor(f!) score, Tensor(g!)? last, Tensor slot, Tensor new_keys, Tensor new_values, "
         "Tensor? new_key_scale, Tensor? new_value_scale, Tensor qpos, Tensor recent, Tensor capacity, "
-        "float softcap) -> Tensor[]",
+        "float scaling, float softcap) -> Tensor[]",
         &decode_step);
 }

@@ -234,7 +234,8 @@ void check_weight(const at::Tensor& w, const c10::optional<at::Tensor>& b, at::S
               "fused layer: bias [N] in the hidden states' dtype");
 }
 
-// x [B, T, K] -> q, k, v [B, T, heads * D] with the rotary embedding (cos, sin [B or 1, T, D]) on q and k.
+// x [B, T, K] -> q, k, v [B, heads, T, D] (views of [B, T, heads * D]) with the rotary embedding (cos, sin
+// [B or 1, T, D]) on q and k.
 template <typename T>
 std::vector<at::Tensor> layer_in_impl(const at::Tensor& x, const at::Tensor& norm, double eps, std::vector<Part>& parts,
                                       const at::Tensor& cos, const at::Tensor& sin, int64_t D) {
@@ -264,7 +265,9 @@ std::vector<at::Tensor> layer_in_impl(const at::Tensor& x, const at::Tensor& nor
       }
     }
   }
-  return {parts[0].out.view({B, S, -1}), parts[1].out.view({B, S, -1}), parts[2].out.view({B, S, -1})};
+  std::vector<at::Tensor> qkv;  // [B, heads, T, D] views, as the cache and the attention function take them
+  for (auto& p : parts) qkv.push_back(p.out.view({B, S, -1, D}).transpose(1, 2));
+  return qkv;
 }
 
 std::vector<at::Tensor> layer_in(const at::Tensor& x, const at::Tensor& norm, double eps, const at::Tensor& wq,
@@ -292,7 +295,7 @@ std::vector<at::Tensor> layer_in(const at::Tensor& x, const at::Tensor& norm, do
 template <typename T>
 at::Tensor layer_out_impl(const at::Tensor& x, const at::Tensor& attn, double eps, const at::Tensor& norm,
                           std::vector<Part>& o, std::vector<Part>& gate_up, std::vector<Part>& down) {
-  const int64_t B = x.size(0), S = x.size(1), K = x.size(2), R = B * S, A = attn.size(2);
+  const int64_t B = x.size(0), S = x.size(1), K = x.size(2), R = B * S, A = attn.size(2);  // attn [B, T, A]
   const int64_t I = gate_up[0].weight->size(0);
   const at::Tensor af = widened(attn);
   products<T>(af.data_ptr<float>(), R, A, o, &gate_up);  // o_proj
@@ -315,13 +318,15 @@ at::Tensor layer_out_impl(const at::Tensor& x, const at::Tensor& attn, double ep
   return down[0].out.view({B, S, K});
 }
 
-at::Tensor layer_out(const at::Tensor& x, const at::Tensor& attn, const at::Tensor& wo,
+at::Tensor layer_out(const at::Tensor& x, const at::Tensor& attn_out, const at::Tensor& wo,
                      const c10::optional<at::Tensor>& bo, const at::Tensor& norm, double eps, const at::Tensor& wg,
                      const c10::optional<at::Tensor>& bg, const at::Tensor& wu, const c10::optional<at::Tensor>& bu,
                      const at::Tensor& wd, const c10::optional<at::Tensor>& bd) {
   const auto dtype = check_hidden(x, norm);
-  TORCH_CHECK(attn.scalar_type() == dtype && attn.dim() == 3 && attn.size(0) == x.size(0) && attn.size(1) == x.size(1),
-              "fused layer: attention output [B, T, A] in the hidden states' dtype");
+  TORCH_CHECK(attn_out.scalar_type() == dtype && attn_out.dim() >= 3 && attn_out.size(0) == x.size(0)
+                  && attn_out.size(1) == x.size(1),
+              "fused layer: attention output [B, T, ...] in the hidden states' dtype");
+  const at::Tensor attn = attn_out.reshape({x.size(0), x.size(1), -1});  // [B, T, heads, D] -> [B, T, A]
   const int64_t K = x.size(2), R = x.size(0) * x.size(1);
   check_weight(wo, bo, dtype, attn.size(2));
   TORCH_CHECK(wo.size(0) == K, "fused layer: o_proj [K, A]");

@@ -34,7 +34,7 @@ while proc.stdout.readline().strip() != "ready":
 with tempfile.NamedTemporaryFile(suffix=".txt") as out:
     try:
         subprocess.run([spy, "record", "--pid", str(proc.pid), "--duration", "12", "--rate", "200", "--format",
-                        "raw", "--output", out.name, "--nonblocking"], check=True, capture_output=True)  # fmt: skip
+                        "raw", "--output", out.name], check=True, capture_output=True)  # fmt: skip
     finally:
         proc.kill()
     lines = open(out.name).read().splitlines()

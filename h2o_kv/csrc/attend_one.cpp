@@ -137,7 +137,6 @@ void weighted_sums(const float* p, int64_t G, const T* values, int64_t S, int64_
   std::fill(out, out + G * D, 0.f);
   for (int64_t b0 = 0; b0 < S; b0 += SB) {
     const int64_t b1 = std::min(S, b0 + SB);
-    prefetch(values + std::min(S, b1 + SB) * D, (std::min(S, b1 + 2 * SB) - std::min(S, b1 + SB)) * D * sizeof(T));
     if (then) prefetch(then + b0 * D, (b1 - b0) * D * sizeof(T));  // the next row's keys
     for (int64_t g = 0; g < G; g += 3) {
       const float* pg = p + g * S;

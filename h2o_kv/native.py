@@ -146,10 +146,11 @@ def decode_step(
     operations a layer fewer)."""
     load()
     new_key_scale, new_value_scale = (None, None) if new_scales is None else new_scales
-    return torch.ops.h2o_kv.decode_step(
+    out, freed = torch.ops.h2o_kv.decode_step(
         q, keys, values, key_scale, value_scale, pos, score, last, slot, new_keys, new_values, new_key_scale,
         new_value_scale, qpos, recent, capacity, scaling, 0.0 if softcap is None else softcap,
     )  # fmt: skip
+    return out, freed
 
 
 def pooled_attend_one(

@@ -21,6 +21,9 @@ or read memory slower, than needed.
   weight row once. `layer_in` and `layer_out` (same file): a Llama decoder layer's decode step around the
   cache (fused_layer.py), its norms, rotary embedding, SiLU and residuals with those products.
 
+- `model_step` (`csrc/model_step.cpp`): a Llama model's whole steady decode step over a `KVCache` (fused_model.py):
+  each layer's `layer_in`, `decode_step` and `layer_out` in turn in one call, without the Python between them.
+
 They are built at the first decode step that needs them on a CPU, with torch's extension builder (ninja
 and a C++ compiler; about 20 s once per machine, then loaded from torch's extension cache,
 `TORCH_EXTENSIONS_DIR`), for this machine's vector width (torch's `get_cpu_capability`: AVX-512 or AVX2),
@@ -38,7 +41,10 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("attend_one.cpp", "pooled_attend.cpp", "rows_linear.cpp")]
+SOURCES = [
+    Path(__file__).parent / "csrc" / name
+    for name in ("attend_one.cpp", "pooled_attend.cpp", "rows_linear.cpp", "model_step.cpp")
+]
 _lock = threading.Lock()
 _loaded = False
 
@@ -223,3 +229,31 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     summed in float32 in the same order whatever the other rows (`csrc/rows_linear.cpp`)."""
     load()
     return torch.ops.h2o_kv.rows_linear(x, weight, bias)
+
+
+def model_step(
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+    eps: list[float],
+    scaling: list[float],
+    head_dim: int,
+    caches: list,
+    steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A Llama model's steady decode step (fused_model.py) in one call: per layer `layer_in` (9 `weights`: input
+    norm, q, k, v, o, post-attention norm, gate, up, down; 7 `biases`: q, k, v, o, gate, up, down; 2 `eps`: the
+    norms'), `decode_step` on `caches[i]` (a `KVLayer`, in place) with `steps[i]` (its `begin_steady`: slots,
+    positions, recent) and `scaling[i]`, then `layer_out`. hidden [B, 1, K] and cos, sin [B or 1, 1, head_dim] as the
+    decoder layers take them. Returns the last layer's output (before the final norm) and each layer's freed slots."""
+    load()
+    out = torch.ops.h2o_kv.model_step(
+        hidden, cos.contiguous(), sin.contiguous(), weights, biases, eps, scaling, head_dim,
+        [c.keys for c in caches], [c.values for c in caches], [c.key_scale for c in caches],
+        [c.value_scale for c in caches], [c.pos for c in caches], [c.score for c in caches],
+        [c.last for c in caches], [s[0] for s in steps], [s[1] for s in steps], [s[2] for s in steps],
+        [c.capacity for c in caches],
+    )  # fmt: skip
+    return out[0], out[1:]

@@ -67,12 +67,11 @@ class PooledKVLayer(KVLayer):
         go where the last step's eviction left `heads` empty slots in every row, each tagged with its head;
         the query heads attend over the row, and every row frees `heads` slots again (`_evict_row`); on a CPU
         with a policy ranking by score with the newest kept, all of it in one C++ call (`native.pooled_decode_step`)."""
-        slots, self.vacant = self.vacant[0], None
+        slots = self._take_vacant()
         batch, heads, _, dim = keys.shape
-        self.kept_bound += heads
         next_pos = self.next_pos.view(-1, 1, 1)
         keys, values = keys.reshape(batch, 1, heads, dim), values.reshape(batch, 1, heads, values.shape[-1])
-        recent = self._ranked_in_kernel(query)
+        recent = self._ranked_in_kernel(query.dtype, query.device)
         if recent is not None:  # the same operations in one C++ call
             out, freed, tied = native.pooled_decode_step(
                 query, self.keys, self.values, self.head, self.pos, self.score, self.last, slots, keys, values, qpos,
@@ -90,9 +89,9 @@ class PooledKVLayer(KVLayer):
         KVLayer._evict(self, next_pos, None, 1)  # a tie at the boundary (nothing freed): the exact (sorted) order
         return out
 
-    def _step_storage(self, query: torch.Tensor) -> bool:
+    def _step_storage(self, dtype: torch.dtype, device: torch.device) -> bool:
         """`native.pooled_decode_step` reads float32 rows with float32 queries (as `native.pooled_attend_one`)."""
-        return self.keys.dtype == query.dtype == torch.float32
+        return self.keys.dtype == dtype == torch.float32
 
     def _insert(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> int | None:
         """n new tokens [B, heads, n, D] take n x heads slots; returns the first one (None while decoding)."""

@@ -25,6 +25,7 @@ from torch import nn
 
 from . import native
 from .fused_layer import use_fused_layers
+from .fused_model import use_fused_model
 
 #: Above this many rows (a prefill, a large batch) the stock product is as fast or faster.
 MAX_ROWS = 16
@@ -103,4 +104,5 @@ def use_rows_first(model: nn.Module, *, compile_kernel: bool | None = None) -> i
     if swapped and kernel:
         native.load()  # build now, not in the first decode step (nothing to build for a GPU model)
         use_fused_layers(model)  # Llama layers: the small operations around the products in C++ too
+        use_fused_model(model)  # and a steady decode step over a KVCache in one C++ call
     return swapped

@@ -34,10 +34,9 @@ class Steady:
         bookkeeping a prompt, a chunk or a growing storage needs. The new token [B, H, 1, D] at positions
         `qpos` [B, 1] takes the slot the last eviction left (its score is already zero), every head attends
         over its slots and then frees one again."""
-        slots, self.vacant = self.vacant[0], None
+        slots = self._take_vacant()
         batch, heads = slots.shape[:2]
-        self.kept_bound += 1
-        recent = self._ranked_in_kernel(query)
+        recent = self._ranked_in_kernel(query.dtype, query.device)
         if recent is not None:  # the same operations in one C++ pass per (sequence, KV head)
             return self._decode_fused(query, keys, values, qpos, slots, recent, scaling=scaling, softcap=softcap)
         self._write(slots, keys, values, qpos.view(batch, 1, 1).expand(batch, heads, 1), zeroed=True)
@@ -70,21 +69,63 @@ class Steady:
             value_scale=self.value_scale,
             new_scales=scales,
         )
-        self.vacant, self.kept_bound = (freed, self.pos), min(self.kept_bound, self.max_capacity)
+        self.end_steady(freed)
         return out.to(query.dtype)
 
-    def _ranked_in_kernel(self, query: torch.Tensor) -> torch.Tensor | None:
-        """The policy's `protected_recent` when this steady decode step runs as one C++ pass (`native.decode_step`):
-        C++ kernels on this device that read this storage (float32, bfloat16 or int8), and a policy ranking by the
-        undecayed score with the newest tokens kept (H2O, SnapKV); None otherwise (the eager operations)."""
-        if not self._kernels(query.device) or self.policy.decay != 1.0 or not self._step_storage(query):
+    def _ranked_in_kernel(self, dtype: torch.dtype, device: torch.device, next_pos: torch.Tensor | None = None):
+        """The policy's `protected_recent` when this steady decode step (queries of `dtype` on `device`) runs as one
+        C++ pass (`native.decode_step`): C++ kernels on this device that read this storage (float32, bfloat16 or
+        int8), and a policy ranking by the undecayed score with the newest tokens kept (H2O, SnapKV); None
+        otherwise (the eager operations). `next_pos`: the step's (default: the layer's own, already advanced)."""
+        if not self._kernels(device) or self.policy.decay != 1.0 or not self._step_storage(dtype, device):
             return None
-        return self.policy.protected_recent(self.slot_state(self.next_pos))
+        return self.policy.protected_recent(self.slot_state(self.next_pos if next_pos is None else next_pos))
 
-    def _step_storage(self, query: torch.Tensor) -> bool:
-        """Whether `native.decode_step` reads this layer's storage for `query` (`kernel.native_rows`: float32
-        products over float32 storage, bfloat16 or int8); pooled.py's own step reads float32 rows only."""
-        return native_rows(self.keys, compute_dtype(query.dtype, query.device))
+    def _step_storage(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether `native.decode_step` reads this layer's storage for queries of `dtype` (`kernel.native_rows`:
+        float32 products over float32 storage, bfloat16 or int8); pooled.py's own step reads float32 rows only."""
+        return native_rows(self.keys, compute_dtype(dtype, device))
+
+    def _take_vacant(self) -> torch.Tensor:
+        """The slots [B, H, spare] the last step's eviction left, where a steady step writes its new token."""
+        slots, self.vacant = self.vacant[0], None
+        self.kept_bound += slots.shape[-1]
+        return slots
+
+    # -- the whole model's decode step in one C++ call (fused_model.py, native.model_step) ---------------------
+    def steady_plan(self, batch: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device):
+        """What this layer's next decode step needs to run inside `native.model_step`, or None when it cannot
+        take it: a steady step (`_full`) of a uniform layer that `native.decode_step` takes (`_ranked_in_kernel`),
+        for one real new token per sequence of `batch` x `heads` KV heads of size `dim` in `dtype` on `device`,
+        as this layer holds them. Changes nothing; `begin_steady` takes the plan."""
+        if not (
+            self.is_initialized
+            and self.head is None
+            and self.pending is None
+            and self.prompt_len is not None
+            and self._full()
+            and self.keys.shape[0] == batch
+            and self.kv_heads == heads
+            and self.keys.shape[3] == self.values.shape[3] == dim
+            and self.dtype == dtype
+            and self.device == device
+        ):
+            return None
+        next_pos = self.next_pos + 1
+        recent = self._ranked_in_kernel(dtype, device, next_pos)
+        return None if recent is None else (next_pos, recent)
+
+    def begin_steady(self, plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The bookkeeping `forward_attention` and `_decode_full` do before a steady step's C++ pass (a decode
+        call, the next position, the vacant slots); returns the slots, the token's positions [B, 1] and `recent`."""
+        next_pos, recent = plan
+        qpos = self.next_pos.view(-1, 1)
+        self.decoded, self.next_pos, self.seen = True, next_pos, self.seen + 1
+        return self._take_vacant(), qpos, recent
+
+    def end_steady(self, freed: torch.Tensor) -> None:
+        """After the C++ pass: the slots it freed are where the next step writes."""
+        self.vacant, self.kept_bound = (freed, self.pos), min(self.kept_bound, self.max_capacity)
 
     def _attend_steady(self, query: torch.Tensor, qpos: torch.Tensor, *, scaling: float, softcap: float | None):
         """A steady decode step's attention with its scores added (`_decode_full`, here and pooled.py's); returns

@@ -18,6 +18,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -251,6 +253,10 @@ std::vector<at::Tensor> attend_one(const at::Tensor& q, const at::Tensor& keys, 
   return {out, scores, last};
 }
 
+}  // namespace
+
+namespace h2o_kv {
+
 // A uniform layer's steady decode step (steady.Steady._decode_fused), in place, one (sequence, KV head) row per
 // task, each row's work in the order of the eager path's operations: the new token (new_keys, new_values
 // [B, H, 1, D] in the storage's dtype: float32, bfloat16, or int8 with their scales) goes into the row's vacant
@@ -373,7 +379,7 @@ std::vector<at::Tensor> decode_step(const at::Tensor& q, const at::Tensor& keys,
   return {out, victims};
 }
 
-}  // namespace
+}  // namespace h2o_kv
 
 TORCH_LIBRARY(h2o_kv, m) {
   m.def("attend_one(Tensor q, Tensor keys, Tensor values, Tensor? key_scale, Tensor? value_scale, Tensor? pos, "
@@ -383,5 +389,5 @@ TORCH_LIBRARY(h2o_kv, m) {
         "Tensor(e!) pos, Tensor(f!) score, Tensor(g!)? last, Tensor slot, Tensor new_keys, Tensor new_values, "
         "Tensor? new_key_scale, Tensor? new_value_scale, Tensor qpos, Tensor recent, Tensor capacity, "
         "float scaling, float softcap) -> Tensor[]",
-        &decode_step);
+        &h2o_kv::decode_step);
 }

@@ -17,6 +17,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
@@ -270,28 +272,6 @@ std::vector<at::Tensor> layer_in_impl(const at::Tensor& x, const at::Tensor& nor
   return qkv;
 }
 
-std::vector<at::Tensor> layer_in(const at::Tensor& x, const at::Tensor& norm, double eps, const at::Tensor& wq,
-                                 const c10::optional<at::Tensor>& bq, const at::Tensor& wk,
-                                 const c10::optional<at::Tensor>& bk, const at::Tensor& wv,
-                                 const c10::optional<at::Tensor>& bv, const at::Tensor& cos, const at::Tensor& sin,
-                                 int64_t head_dim) {
-  const auto dtype = check_hidden(x, norm);
-  const int64_t K = x.size(2), R = x.size(0) * x.size(1);
-  for (auto* w : {&wq, &wk, &wv}) TORCH_CHECK(w->size(0) % head_dim == 0 && head_dim % 2 == 0, "fused layer: heads");
-  check_weight(wq, bq, dtype, K);
-  check_weight(wk, bk, dtype, K);
-  check_weight(wv, bv, dtype, K);
-  TORCH_CHECK(cos.scalar_type() == dtype && sin.scalar_type() == dtype && cos.is_contiguous() && sin.is_contiguous() &&
-                  cos.sizes() == sin.sizes() && cos.dim() == 3 && (cos.size(0) == 1 || cos.size(0) == x.size(0)) &&
-                  cos.size(1) == x.size(1) && cos.size(2) == head_dim,
-              "fused layer: cos and sin [B or 1, T, head_dim] in the hidden states' dtype");
-  std::vector<Part> parts{{&wq, &bq, at::empty({R, wq.size(0)}, x.options())},
-                          {&wk, &bk, at::empty({R, wk.size(0)}, x.options())},
-                          {&wv, &bv, at::empty({R, wv.size(0)}, x.options())}};
-  if (dtype == at::kFloat) return layer_in_impl<float>(x, norm, eps, parts, cos, sin, head_dim);
-  return layer_in_impl<at::BFloat16>(x, norm, eps, parts, cos, sin, head_dim);
-}
-
 template <typename T>
 at::Tensor layer_out_impl(const at::Tensor& x, const at::Tensor& attn, double eps, const at::Tensor& norm,
                           std::vector<Part>& o, std::vector<Part>& gate_up, std::vector<Part>& down) {
@@ -316,6 +296,32 @@ at::Tensor layer_out_impl(const at::Tensor& x, const at::Tensor& attn, double ep
   T* out = down[0].out.data_ptr<T>();
   for (int64_t i = 0; i < R * K; ++i) out[i] = static_cast<T>(h[i] + static_cast<float>(out[i]));
   return down[0].out.view({B, S, K});
+}
+
+}  // namespace
+
+namespace h2o_kv {
+
+std::vector<at::Tensor> layer_in(const at::Tensor& x, const at::Tensor& norm, double eps, const at::Tensor& wq,
+                                 const c10::optional<at::Tensor>& bq, const at::Tensor& wk,
+                                 const c10::optional<at::Tensor>& bk, const at::Tensor& wv,
+                                 const c10::optional<at::Tensor>& bv, const at::Tensor& cos, const at::Tensor& sin,
+                                 int64_t head_dim) {
+  const auto dtype = check_hidden(x, norm);
+  const int64_t K = x.size(2), R = x.size(0) * x.size(1);
+  for (auto* w : {&wq, &wk, &wv}) TORCH_CHECK(w->size(0) % head_dim == 0 && head_dim % 2 == 0, "fused layer: heads");
+  check_weight(wq, bq, dtype, K);
+  check_weight(wk, bk, dtype, K);
+  check_weight(wv, bv, dtype, K);
+  TORCH_CHECK(cos.scalar_type() == dtype && sin.scalar_type() == dtype && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.sizes() == sin.sizes() && cos.dim() == 3 && (cos.size(0) == 1 || cos.size(0) == x.size(0)) &&
+                  cos.size(1) == x.size(1) && cos.size(2) == head_dim,
+              "fused layer: cos and sin [B or 1, T, head_dim] in the hidden states' dtype");
+  std::vector<Part> parts{{&wq, &bq, at::empty({R, wq.size(0)}, x.options())},
+                          {&wk, &bk, at::empty({R, wk.size(0)}, x.options())},
+                          {&wv, &bv, at::empty({R, wv.size(0)}, x.options())}};
+  if (dtype == at::kFloat) return layer_in_impl<float>(x, norm, eps, parts, cos, sin, head_dim);
+  return layer_in_impl<at::BFloat16>(x, norm, eps, parts, cos, sin, head_dim);
 }
 
 at::Tensor layer_out(const at::Tensor& x, const at::Tensor& attn_out, const at::Tensor& wo,
@@ -343,14 +349,14 @@ at::Tensor layer_out(const at::Tensor& x, const at::Tensor& attn_out, const at::
   return layer_out_impl<at::BFloat16>(x, attn, eps, norm, o, gate_up, down);
 }
 
-}  // namespace
+}  // namespace h2o_kv
 
 TORCH_LIBRARY_FRAGMENT(h2o_kv, m) {
   m.def("rows_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor", &rows_linear);
   m.def("layer_in(Tensor x, Tensor norm, float eps, Tensor wq, Tensor? bq, Tensor wk, Tensor? bk, Tensor wv, "
         "Tensor? bv, Tensor cos, Tensor sin, int head_dim) -> Tensor[]",
-        &layer_in);
+        &h2o_kv::layer_in);
   m.def("layer_out(Tensor x, Tensor attn, Tensor wo, Tensor? bo, Tensor norm, float eps, Tensor wg, Tensor? bg, "
         "Tensor wu, Tensor? bu, Tensor wd, Tensor? bd) -> Tensor",
-        &layer_out);
+        &h2o_kv::layer_out);
 }

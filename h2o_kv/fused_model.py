@@ -25,7 +25,7 @@ from transformers.models.llama.modeling_llama import LlamaModel
 from . import native
 from .attention import is_enabled
 from .cache import KVCache
-from .fused_layer import MAX_ROWS, FusedLlamaDecoderLayer, _linear
+from .fused_layer import MAX_ROWS, FusedLlamaDecoderLayer
 
 #: Keyword arguments a decode step may carry that the fused step honours (falsy output flags) or that the
 #: Llama model does not read.
@@ -61,7 +61,7 @@ class FusedLlamaModel(LlamaModel):
             or not is_enabled(self)
         ):
             return None
-        layers = self.layers[: config.num_hidden_layers]
+        layers = list(self.layers._modules.values())[: config.num_hidden_layers]  # not a slice: a new ModuleList
         if not all(type(layer) is FusedLlamaDecoderLayer for layer in layers) or _hooked(layers):
             return None
         seen = cache.get_seq_length()
@@ -96,7 +96,13 @@ class FusedLlamaModel(LlamaModel):
 
 def _hooked(layers) -> bool:
     """A forward hook on a decoder layer or one of its parts (they would not run inside the C++ call)."""
-    return any(m._forward_hooks or m._forward_pre_hooks for layer in layers for m in (layer, *layer._parts))
+    for layer in layers:
+        if layer._forward_hooks or layer._forward_pre_hooks:
+            return True
+        for m in layer._parts:
+            if m._forward_hooks or m._forward_pre_hooks:
+                return True
+    return False
 
 
 def _last_column_real(mask: torch.Tensor, columns: int) -> bool:
@@ -111,12 +117,13 @@ def _parameters(layers) -> tuple[list, list, list[float], list[float]]:
     weights, biases, eps, scaling = [], [], [], []
     for layer in layers:
         attn, mlp, norm_in, norm_post = layer._children()
-        products = [_linear(attn, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        products += [_linear(mlp, name) for name in ("gate_proj", "up_proj", "down_proj")]
-        weights += [norm_in._parameters["weight"], *(w for w, _ in products[:4])]
-        weights += [norm_post._parameters["weight"], *(w for w, _ in products[4:])]
-        biases += [b for _, b in products]
-        eps += [norm_in.variance_epsilon, norm_post.variance_epsilon]
+        a, m = attn._modules, mlp._modules
+        q, k, v, o = (a[name]._parameters for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        gate, up, down = (m[name]._parameters for name in ("gate_proj", "up_proj", "down_proj"))
+        weights += (norm_in._parameters["weight"], q["weight"], k["weight"], v["weight"], o["weight"],
+                    norm_post._parameters["weight"], gate["weight"], up["weight"], down["weight"])  # fmt: skip
+        biases += (q["bias"], k["bias"], v["bias"], o["bias"], gate["bias"], up["bias"], down["bias"])
+        eps += (norm_in.variance_epsilon, norm_post.variance_epsilon)
         scaling.append(attn.scaling)
     return weights, biases, eps, scaling
 

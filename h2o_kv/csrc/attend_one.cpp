@@ -191,6 +191,25 @@ void attend_row(const float* q, const KV* keys, const KV* values, const float* k
   weighted_sums(vs ? weights : probs, G, values, S, D, out, next_keys);
 }
 
+// score[s] += the probability slot s got from the G query heads (probs [G, S]), summed over the heads in order, and
+// last[s] = their mean when `last` is given; V slots at a time.
+inline void add_scores(const float* probs, int64_t G, int64_t S, float* score, float* last) {
+  const Vec heads(static_cast<float>(G));
+  int64_t s = 0;
+  for (; s + V <= S; s += V) {
+    Vec total = Vec::loadu(probs + s);
+    for (int64_t g = 1; g < G; ++g) total = total + Vec::loadu(probs + g * S + s);
+    (Vec::loadu(score + s) + total).store(score + s);
+    if (last) (total / heads).store(last + s);
+  }
+  for (; s < S; ++s) {
+    float total = probs[s];
+    for (int64_t g = 1; g < G; ++g) total += probs[g * S + s];
+    score[s] += total;
+    if (last) last[s] = total / static_cast<float>(G);
+  }
+}
+
 // One row per task (attend_row), the slots' summed (scores) and averaged (last) probabilities written out.
 template <typename KV>
 void attend_rows(const float* qp, const KV* kp, const KV* vp, const float* ksp, const float* vsp, const int64_t* pp,
@@ -341,14 +360,9 @@ std::vector<at::Tensor> decode_step(const at::Tensor& q, const at::Tensor& keys,
         attend_row(qp + r * G * D, kp + r * S * D, valp + r * S * D, ksp ? ksp + r * S : nullptr,
                    vsp ? vsp + r * S : nullptr, rpos, S, D, G, cap, op + r * G * D, probs.data(), weights.data(),
                    r + 1 < end ? kp + (r + 1) * S * D : nullptr);
+        add_scores(probs.data(), G, S, rscore, rlast);
         int64_t kept = 0;
-        for (int64_t s = 0; s < S; ++s) {
-          float total = 0.f;
-          for (int64_t g = 0; g < G; ++g) total += probs[g * S + s];
-          rscore[s] += total;
-          if (rlast) rlast[s] = total / static_cast<float>(G);
-          kept += rpos[s] >= 0;
-        }
+        for (int64_t s = 0; s < S; ++s) kept += rpos[s] >= 0;
         const float empty = kept > cp[b] ? std::numeric_limits<float>::infinity()
                                          : -std::numeric_limits<float>::infinity();
         const int64_t newest = qposp[b] + 1 - rp[b];  // next_pos - recent: kept whatever their score

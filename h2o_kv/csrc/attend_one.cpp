@@ -322,7 +322,8 @@ std::vector<at::Tensor> decode_step(const at::Tensor& q, const at::Tensor& keys,
                         "decode_step: last like score");
   if (int8) TORCH_CHECK(key_scale->is_contiguous() && value_scale->is_contiguous() && key_scale->sizes() == pos.sizes()
                         && value_scale->sizes() == pos.sizes(), "decode_step: scales like pos, contiguous");
-  const at::Tensor qc = q.to(at::kFloat).mul(static_cast<float>(scaling)).contiguous();  // [B, Hq, 1, D]
+  const at::Tensor qc = q.to(at::kFloat).contiguous();  // [B, Hq, 1, D], scaled per row below (as q.float() * scaling)
+  const float scale = static_cast<float>(scaling);
   const at::Tensor sc = slot.contiguous(), qposc = qpos.contiguous();
   const at::Tensor rc = recent.contiguous(), cc = capacity.contiguous();
   const at::Tensor nk = new_keys.contiguous(), nv = new_values.contiguous();
@@ -344,9 +345,13 @@ std::vector<at::Tensor> decode_step(const at::Tensor& q, const at::Tensor& keys,
   const float cap = static_cast<float>(softcap);
   auto run = [&](auto* kp, auto* valp, const auto* nkp, const auto* nvp) {
     at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> probs(G * S), weights(int8 ? G * S : 0);
+      thread_local std::vector<float> query, probs, weights;  // scratch, kept between calls
+      query.resize(G * D);
+      probs.resize(G * S);
+      weights.resize(int8 ? G * S : 0);
       for (int64_t r = begin; r < end; ++r) {
         const int64_t b = r / H, s0 = slots[r];
+        for (int64_t i = 0; i < G * D; ++i) query[i] = qp[r * G * D + i] * scale;
         int64_t* rpos = pp + r * S;
         float* rscore = scp + r * S;
         float* rlast = lp ? lp + r * S : nullptr;
@@ -357,7 +362,7 @@ std::vector<at::Tensor> decode_step(const at::Tensor& q, const at::Tensor& keys,
           vsp[r * S + s0] = nvs.data_ptr<float>()[r];
         }
         rpos[s0] = qposp[b];
-        attend_row(qp + r * G * D, kp + r * S * D, valp + r * S * D, ksp ? ksp + r * S : nullptr,
+        attend_row(query.data(), kp + r * S * D, valp + r * S * D, ksp ? ksp + r * S : nullptr,
                    vsp ? vsp + r * S : nullptr, rpos, S, D, G, cap, op + r * G * D, probs.data(), weights.data(),
                    r + 1 < end ? kp + (r + 1) * S * D : nullptr);
         add_scores(probs.data(), G, S, rscore, rlast);

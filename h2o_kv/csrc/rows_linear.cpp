@@ -243,7 +243,8 @@ std::vector<at::Tensor> layer_in_impl(const at::Tensor& x, const at::Tensor& nor
                                       const at::Tensor& cos, const at::Tensor& sin, int64_t D) {
   const int64_t B = x.size(0), S = x.size(1), K = x.size(2), R = B * S;
   const at::Tensor xf = widened(x);
-  std::vector<float> xn(R * K);
+  thread_local std::vector<float> xn;  // scratch, kept between calls
+  xn.resize(R * K);
   rms_norm<T>(xf.data_ptr<float>(), norm.data_ptr<T>(), eps, R, K, xn.data());
   products<T>(xn.data(), R, K, parts);
   const T* c = cos.data_ptr<T>();
@@ -282,7 +283,10 @@ at::Tensor layer_out_impl(const at::Tensor& x, const at::Tensor& attn, double ep
   const at::Tensor xc = x.contiguous();
   const T* xs = xc.data_ptr<T>();
   const T* os = o[0].out.data_ptr<T>();
-  std::vector<float> h(R * K), hn(R * K), act(R * I);
+  thread_local std::vector<float> h, hn, act;  // scratch, kept between calls
+  h.resize(R * K);
+  hn.resize(R * K);
+  act.resize(R * I);
   for (int64_t i = 0; i < R * K; ++i) h[i] = round_to<T>(static_cast<float>(xs[i]) + static_cast<float>(os[i]));
   rms_norm<T>(h.data(), norm.data_ptr<T>(), eps, R, K, hn.data());
   products<T>(hn.data(), R, K, gate_up, &down);

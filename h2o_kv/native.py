@@ -20,7 +20,6 @@ or read memory slower, than needed.
   MKL's products at 4 rows read the weights at about half the memory's speed; this kernel streams each
   weight row once. `layer_in` and `layer_out` (same file): a Llama decoder layer's decode step around the
   cache (fused_layer.py), its norms, rotary embedding, SiLU and residuals with those products.
-
 - `model_step` (`csrc/model_step.cpp`): a Llama model's whole steady decode step over a `KVCache` (fused_model.py):
   each layer's `layer_in`, `decode_step` and `layer_out` in turn in one call, without the Python between them.
 

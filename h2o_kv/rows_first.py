@@ -10,7 +10,8 @@ speed. h2o-kv's C++ kernel (`native.rows_linear`, `csrc/rows_linear.cpp`) stream
 
 `use_rows_first(model)` swaps each plain `nn.Linear` under the decoder (`model.base_model`), and the
 output projection, for a `RowsFirstLinear` holding the same parameters (and, with the C++ kernel, each stock
-Llama decoder layer for fused_layer.py's, whose decode step runs the same products in its own C++ calls),
+Llama decoder layer for fused_layer.py's, whose decode step runs the same products in its own C++ calls, and
+the Llama model for fused_model.py's, whose steady decode step over a KVCache is one C++ call),
 so the state dict, the weights'
 memory, tied embeddings and the model's classes stay as they are. Its `compile_kernel` is `KVCache`'s
 (`native.resolve`): None uses the C++ kernel where it can be built, else the weight-first torch product.
@@ -35,7 +36,8 @@ MAX_ROWS = 16
 CLI_HELP = (
     "on CPU, compute the linear layers weight-first at up to 16 rows, with h2o-kv's C++ kernel where it can be "
     "built, and on Llama models a decoder layer's small operations in C++ too (a faster decode step for every "
-    "cache; h2o_kv.rows_first, h2o_kv.fused_layer)"
+    "cache, and over a full KVCache the whole model's step in one C++ call; h2o_kv.rows_first, h2o_kv.fused_layer, "
+    "h2o_kv.fused_model)"
 )
 
 #: The dtypes the C++ kernel multiplies (others take the torch product).

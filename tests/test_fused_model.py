@@ -12,9 +12,11 @@ import h2o_kv
 from h2o_kv import fused_model
 from h2o_kv.fused_model import FusedLlamaModel, use_fused_model
 from h2o_kv.generation import forward
+from h2o_kv.layer import KVLayer
 from h2o_kv.rows_first import use_rows_first
 
 from conftest import VOCAB, make_model, random_ids
+from reference import reference_layer
 
 pytestmark = pytest.mark.skipif(h2o_kv.native.missing() is not None, reason="h2o-kv's C++ kernels cannot be built")
 
@@ -85,6 +87,39 @@ def test_decode_steps_equal_the_per_layer_path_to_the_bit(build, policy, dtype, 
     assert calls == [3] * 11  # the first decode step fills the storage's last slot; every later one is fused
     assert_same_cache(*caches)
     assert caches[1].kept_tokens == caches[0].kept_tokens <= 8 + 1
+
+
+def test_the_fused_steps_keep_the_tokens_of_the_literal_reference(monkeypatch):
+    """tests/reference.py (docs/eviction.md read literally, float64) fed each layer's queries, keys and values as
+    the per-layer path computes them (recorded there): after a prompt and nine decode steps, eight of them fused,
+    every (layer, sequence, KV head) of the fused model's cache keeps the reference's positions."""
+    per_layer, fused = pair(lambda: make_model("llama"))
+    heavy, recent, prompt, total = 3, 2, 10, 20
+    chunks = [prompt] + [1] * (total - prompt)
+    calls, record = model_steps(monkeypatch), {}
+    original = KVLayer.forward_attention
+
+    def recording(self, query, attention_mask, **kwargs):
+        keys, values = self.pending
+        record.setdefault(self.layer_idx, []).append((query, keys, values))
+        return original(self, query, attention_mask, **kwargs)
+
+    ids = random_ids(2, total)
+    caches = [h2o_kv.KVCache(h2o_kv.H2O(heavy=heavy, recent=recent)) for _ in range(2)]
+    with torch.no_grad():
+        monkeypatch.setattr(KVLayer, "forward_attention", recording)
+        for start, size in zip([0, *torch.tensor(chunks).cumsum(0).tolist()], chunks):
+            forward(per_layer, caches[0], ids[:, start : start + size])
+        monkeypatch.setattr(KVLayer, "forward_attention", original)
+        for start, size in zip([0, *torch.tensor(chunks).cumsum(0).tolist()], chunks):
+            forward(fused, caches[1], ids[:, start : start + size])
+    assert calls == [2] * 8
+    for layer in caches[1].layers:
+        q, k, v = (torch.cat(parts, dim=2) for parts in zip(*record[layer.layer_idx]))  # [B, heads, total, D]
+        for row in range(2):
+            _, kept = reference_layer(q[row], k[row], v[row], chunks, "h2o", heavy + recent, {"recent": recent})
+            ours = [sorted(int(p) for p in head[head >= 0]) for head in layer.pos[row]]
+            assert ours == kept, (layer.layer_idx, row)
 
 
 def test_generate_with_padding_takes_the_fused_step_and_the_same_tokens(monkeypatch):

@@ -91,7 +91,7 @@ def test_decode_steps_equal_the_per_layer_path_to_the_bit(build, policy, dtype, 
 
 def test_the_fused_steps_keep_the_tokens_of_the_literal_reference(monkeypatch):
     """tests/reference.py (docs/eviction.md read literally, float64) fed each layer's queries, keys and values as
-    the per-layer path computes them (recorded there): after a prompt and nine decode steps, eight of them fused,
+    the per-layer path computes them (recorded there): after a prompt and ten decode steps, nine of them fused,
     every (layer, sequence, KV head) of the fused model's cache keeps the reference's positions."""
     per_layer, fused = pair(lambda: make_model("llama"))
     heavy, recent, prompt, total = 3, 2, 10, 20
@@ -113,7 +113,7 @@ def test_the_fused_steps_keep_the_tokens_of_the_literal_reference(monkeypatch):
         monkeypatch.setattr(KVLayer, "forward_attention", original)
         for start, size in zip([0, *torch.tensor(chunks).cumsum(0).tolist()], chunks):
             forward(fused, caches[1], ids[:, start : start + size])
-    assert calls == [2] * 8
+    assert calls == [2] * 9  # the first decode step fills the storage; the nine after it are fused
     for layer in caches[1].layers:
         q, k, v = (torch.cat(parts, dim=2) for parts in zip(*record[layer.layer_idx]))  # [B, heads, total, D]
         for row in range(2):

@@ -62,6 +62,16 @@ def make_model(arch: str, seed: int = 0, enable: bool = True) -> torch.nn.Module
     return h2o_kv.enable(model) if enable else model
 
 
+def biased_llama(layers: int = 2) -> torch.nn.Module:
+    """A tiny Llama with biases on every product (attention_bias, mlp_bias), h2o-kv attention enabled."""
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=96, attention_bias=True, mlp_bias=True,
+    )  # fmt: skip
+    return h2o_kv.enable(tf.LlamaForCausalLM(config).eval())
+
+
 @pytest.fixture(params=sorted(TINY_MODELS))
 def arch(request) -> str:
     return request.param

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers as tf
 from transformers import DynamicCache, StaticCache
 
 import h2o_kv
@@ -12,18 +11,9 @@ from h2o_kv import fused_layer
 from h2o_kv.fused_layer import FusedLlamaDecoderLayer, use_fused_layers
 from h2o_kv.generation import forward
 
-from conftest import VOCAB, make_model, random_ids
+from conftest import biased_llama, make_model, random_ids
 
 pytestmark = pytest.mark.skipif(h2o_kv.native.missing() is not None, reason="h2o-kv's C++ kernels cannot be built")
-
-
-def biased_llama() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = tf.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=96, attention_bias=True, mlp_bias=True,
-    )  # fmt: skip
-    return h2o_kv.enable(tf.LlamaForCausalLM(config).eval())
 
 
 def fused_calls(monkeypatch) -> list[bool]:

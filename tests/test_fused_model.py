@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers as tf
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaModel
 
@@ -15,19 +14,10 @@ from h2o_kv.generation import forward
 from h2o_kv.layer import KVLayer
 from h2o_kv.rows_first import use_rows_first
 
-from conftest import VOCAB, make_model, random_ids
+from conftest import biased_llama, make_model, random_ids
 from reference import reference_layer
 
 pytestmark = pytest.mark.skipif(h2o_kv.native.missing() is not None, reason="h2o-kv's C++ kernels cannot be built")
-
-
-def biased_llama() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = tf.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=96, attention_bias=True, mlp_bias=True,
-    )  # fmt: skip
-    return h2o_kv.enable(tf.LlamaForCausalLM(config).eval())
 
 
 def pair(build, dtype=torch.float32) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -71,7 +61,7 @@ POLICIES = {
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-@pytest.mark.parametrize("build", [lambda: make_model("llama"), biased_llama], ids=["llama", "biased"])
+@pytest.mark.parametrize("build", [lambda: make_model("llama"), lambda: biased_llama(3)], ids=["llama", "biased"])
 def test_decode_steps_equal_the_per_layer_path_to_the_bit(build, policy, dtype, monkeypatch):
     """A 16-token prompt at batch 3, then twelve decode steps: once the cache is full every step is one C++ call
     (counted), and the logits and every layer's cache are those of the per-layer path, bit for bit."""

@@ -220,12 +220,8 @@ void attend_rows(const float* qp, const KV* kp, const KV* vp, const float* ksp, 
       attend_row(qp + r * G * D, kp + r * S * D, vp + r * S * D, ksp ? ksp + r * S : nullptr,
                  vsp ? vsp + r * S : nullptr, pp ? pp + r * S : nullptr, S, D, G, cap, op + r * G * D, probs.data(),
                  weights.data());
-      for (int64_t s = 0; s < S; ++s) {
-        float total = 0.f;
-        for (int64_t g = 0; g < G; ++g) total += probs[g * S + s];
-        sp[r * S + s] = total;
-        lp[r * S + s] = total / static_cast<float>(G);
-      }
+      std::fill(sp + r * S, sp + (r + 1) * S, 0.f);
+      add_scores(probs.data(), G, S, sp + r * S, lp + r * S);
     }
   });
 }

@@ -31,9 +31,8 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from . import native
+from .native import MAX_ROWS
 
-#: The most rows (batch x new tokens) a fused step takes: the kernels' limit, rows_first.MAX_ROWS.
-MAX_ROWS = 16
 DTYPES = (torch.float32, torch.bfloat16)
 
 

@@ -25,7 +25,8 @@ from transformers.models.llama.modeling_llama import LlamaModel
 from . import native
 from .attention import is_enabled
 from .cache import KVCache
-from .fused_layer import MAX_ROWS, FusedLlamaDecoderLayer
+from .fused_layer import FusedLlamaDecoderLayer
+from .native import MAX_ROWS
 
 #: Keyword arguments a decode step may carry that the fused step honours (falsy output flags) or that the
 #: Llama model does not read.

@@ -2,7 +2,7 @@
 
 A decode step multiplies a few rows x (one per sequence) by every weight matrix W of the model, so its
 time is the time to read the weights. `nn.Linear` computes x @ W^T; MKL's float32 GEMM reads W about half
-as fast that way as when W is the left operand, (W @ x^T)^T, at 2-16 rows on the 2-core CPU this project
+as fast that way as when W is the left operand, (W @ x^T)^T, at 2-64 rows on the 2-core CPU this project
 benchmarks on (`results/bench-static/probes/linear_order.txt`), and neither order reads W at the memory's
 speed. h2o-kv's C++ kernel (`native.rows_linear`, `csrc/rows_linear.cpp`) streams each weight row once
 (`results/bench-static/probes/rows_linear.txt`). The values are the same products summed in another order
@@ -27,14 +27,11 @@ from torch import nn
 from . import native
 from .fused_layer import use_fused_layers
 from .fused_model import use_fused_model
-
-#: Above this many rows (a prefill, a large batch) the stock product is as fast or faster.
-MAX_ROWS = 16
-
+from .native import MAX_ROWS  # above it (a prefill, a large batch): the stock product
 
 #: The `--rows-first` flag of generate, bench and serve.
 CLI_HELP = (
-    "on CPU, compute the linear layers weight-first at up to 16 rows, with h2o-kv's C++ kernel where it can be "
+    "on CPU, compute the linear layers weight-first at up to 64 rows, with h2o-kv's C++ kernel where it can be "
     "built, and on Llama models a decoder layer's small operations in C++ too (a faster decode step for every "
     "cache, and over a full KVCache the whole model's step in one C++ call; h2o_kv.rows_first, h2o_kv.fused_layer, "
     "h2o_kv.fused_model)"

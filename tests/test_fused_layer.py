@@ -10,6 +10,7 @@ import h2o_kv
 from h2o_kv import fused_layer
 from h2o_kv.fused_layer import FusedLlamaDecoderLayer, use_fused_layers
 from h2o_kv.generation import forward
+from h2o_kv.native import MAX_ROWS
 
 from conftest import biased_llama, make_model, random_ids
 
@@ -35,20 +36,22 @@ CACHES = {
 @pytest.mark.parametrize("cache", sorted(CACHES))
 @pytest.mark.parametrize("build", [lambda: make_model("llama"), biased_llama], ids=["llama", "biased"])
 def test_decode_logits_equal_the_stock_model(build, cache, dtype, monkeypatch):
-    """A prompt (24 rows: the stock layer), then eight batch-3 decode steps through the C++ step (counted),
-    every cache taking its own path between the two calls: the logits and kept tokens of the stock model."""
+    """A prompt (3 x 22 rows, more than MAX_ROWS: the stock layer), then eight batch-3 decode steps through the
+    C++ step (counted), every cache taking its own path between the two calls: the logits and kept tokens of
+    the stock model."""
     stock, fused = build().to(dtype), build().to(dtype)
     assert use_fused_layers(fused) == 2
     taken = fused_calls(monkeypatch)
-    ids = random_ids(3, 16)
+    prompt = MAX_ROWS // 3 + 1
+    ids = random_ids(3, prompt + 8)
     caches = [CACHES[cache](stock), CACHES[cache](fused)]
     tolerance = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     with torch.no_grad():
-        for step, cols in enumerate([slice(0, 8)] + [slice(t, t + 1) for t in range(8, 16)]):
+        for step, cols in enumerate([slice(0, prompt)] + [slice(t, t + 1) for t in range(prompt, prompt + 8)]):
             a = forward(stock, caches[0], ids[:, cols], all_logits=True)
             b = forward(fused, caches[1], ids[:, cols], all_logits=True)
             torch.testing.assert_close(b, a, **tolerance, msg=f"call {step}")
-    assert taken == [False] * 2 + [True] * 16  # the prompt's 24 rows take the stock layer, each decode step the C++ one
+    assert taken == [False] * 2 + [True] * 16  # the prompt takes the stock layer, each decode step the C++ one
     if cache.startswith("h2o"):
         assert caches[0].kept_tokens == caches[1].kept_tokens == 8
         assert torch.equal(caches[0].kept_per_head(), caches[1].kept_per_head())
@@ -93,20 +96,21 @@ def test_what_the_step_cannot_take_goes_to_the_stock_layer(monkeypatch):
     model = make_model("llama")
     use_fused_layers(model)
     taken = fused_calls(monkeypatch)
-    ids = random_ids(2, 12)
+    prompt = MAX_ROWS // 2 + 1
+    ids = random_ids(2, prompt + 1)
     with torch.no_grad():
-        model(ids[:, :11], past_key_values=DynamicCache(config=model.config))  # 22 rows: a prompt
+        model(ids[:, :prompt], past_key_values=DynamicCache(config=model.config))  # more than MAX_ROWS rows: a prompt
     model.train()
-    model(ids[:, 11:], past_key_values=DynamicCache(config=model.config))  # training: gradients
+    model(ids[:, prompt:], past_key_values=DynamicCache(config=model.config))  # training: gradients
     model.eval()
     seen = []
     hook = model.model.layers[1].mlp.down_proj.register_forward_hook(lambda *a: seen.append(1))
     with torch.no_grad():
-        model(ids[:, 11:], past_key_values=DynamicCache(config=model.config))
+        model(ids[:, prompt:], past_key_values=DynamicCache(config=model.config))
     hook.remove()
     assert seen == [1]  # the hook ran: that layer took the stock path
     with torch.no_grad():
-        model(ids[:, 11:], past_key_values=DynamicCache(config=model.config), output_attentions=True)
+        model(ids[:, prompt:], past_key_values=DynamicCache(config=model.config), output_attentions=True)
     assert taken == [False, False] + [False, False] + [True, False] + [False, False]
 
 
@@ -118,8 +122,8 @@ def test_the_kernel_refuses_what_it_cannot_read():
         torch.ops.h2o_kv.layer_in(x.double(), norm, 1e-6, w, None, w, None, w, None, cos, sin, 4)
     with pytest.raises(RuntimeError, match="weights contiguous"):
         torch.ops.h2o_kv.layer_in(x, norm, 1e-6, w.t(), None, w, None, w, None, cos, sin, 4)
-    with pytest.raises(RuntimeError, match="at most 16 rows"):
-        torch.ops.h2o_kv.layer_in(torch.randn(17, 1, 8), norm, 1e-6, w, None, w, None, w, None, cos, sin, 4)
+    with pytest.raises(RuntimeError, match="at most 64 rows"):
+        torch.ops.h2o_kv.layer_in(torch.randn(MAX_ROWS + 1, 1, 8), norm, 1e-6, w, None, w, None, w, None, cos, sin, 4)
     with pytest.raises(RuntimeError, match="cos and sin"):
         torch.ops.h2o_kv.layer_in(x, norm, 1e-6, w, None, w, None, w, None, cos[..., :2], sin[..., :2], 4)
 

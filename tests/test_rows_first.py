@@ -107,10 +107,11 @@ def test_decode_logits_equal_the_stock_model(arch, monkeypatch):
     monkeypatch.setattr(native, "rows_linear", lambda *a: calls.append(1) or rows_linear(*a))
     stock, swapped = make_model(arch), make_model(arch)
     use_rows_first(swapped)
-    ids = random_ids(3, 24)
+    prompt = MAX_ROWS // 3 + 1  # 3 x prompt rows: more than MAX_ROWS
+    ids = random_ids(3, prompt + 8)
     caches = [h2o_kv.KVCache(h2o_kv.H2O(heavy=4, recent=4)) for _ in range(2)]
     with torch.no_grad():
-        for step, cols in enumerate([slice(0, 16)] + [slice(t, t + 1) for t in range(16, 24)]):
+        for step, cols in enumerate([slice(0, prompt)] + [slice(t, t + 1) for t in range(prompt, prompt + 8)]):
             a = forward(stock, caches[0], ids[:, cols], all_logits=True)
             b = forward(swapped, caches[1], ids[:, cols], all_logits=True)
             torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4, msg=f"call {step}")

@@ -1,5 +1,5 @@
 // A linear layer for a few rows on a CPU (h2o_kv/rows_first.py, built and called by h2o_kv/native.py):
-// out [R, N] = x [R, K] @ W^T [K, N] (+ bias [N]), for the R <= 16 rows of a decode step.
+// out [R, N] = x [R, K] @ W^T [K, N] (+ bias [N]), for the R <= 64 rows of a decode step (native.MAX_ROWS).
 //
 // A decode step multiplies a handful of rows by every weight matrix of the model, so its time is the time
 // to read the weights. MKL's products at 4 rows read them at about half the memory's speed on the 2-core
@@ -139,7 +139,7 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
 }
 
 // ---- a Llama decoder layer's decode step (h2o_kv/fused_layer.py) ----------------------------------------------
-// The same operations as transformers' LlamaDecoderLayer on R <= 16 rows, in two calls around the cache's attention:
+// The same operations as transformers' LlamaDecoderLayer on R <= 64 rows, in two calls around the cache's attention:
 // `layer_in` (RMSNorm, the q/k/v products, rotary embedding) and `layer_out` (output product, residual, RMSNorm, the
 // gate/up products, SiLU x up, down product, residual). Elementwise steps round to the model's dtype where the
 // model's own operations do (bfloat16), so they are its operations in one pass; the products are rows_columns'.
@@ -219,11 +219,11 @@ void rms_norm(const float* h, const T* weight, double eps, int64_t R, int64_t K,
   }
 }
 
-// The hidden states x [B, T, K] (float32 or bfloat16, at most 16 rows) and a norm weight [K] of their dtype.
+// The hidden states x [B, T, K] (float32 or bfloat16, at most 64 rows: native.MAX_ROWS) and a norm weight [K] of their dtype.
 at::ScalarType check_hidden(const at::Tensor& x, const at::Tensor& norm) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "fused layer: float32 or bfloat16 hidden states");
-  TORCH_CHECK(x.dim() == 3 && x.size(0) * x.size(1) <= 16, "fused layer: x [B, T, K] with at most 16 rows");
+  TORCH_CHECK(x.dim() == 3 && x.size(0) * x.size(1) <= 64, "fused layer: x [B, T, K] with at most 64 rows");
   TORCH_CHECK(norm.scalar_type() == dtype && norm.numel() == x.size(2) && norm.is_contiguous(),
               "fused layer: norm weight [K]");
   return dtype;

@@ -40,9 +40,10 @@ from pathlib import Path
 
 import torch
 
-#: The most rows (batch x new tokens) rows-first's products (`rows_linear`) and the fused layer and model steps take:
-#: on the 2-core CPU this project benchmarks on the kernel's products are 3x MKL's `F.linear` at 4 rows, 1.6x at 20
-#: and even at 64 (`results/bench-static/probes/rows_vs_mkl.txt`); above, a prefill or a larger batch: the stock product.
+#: The most rows (batch x new tokens) rows-first's products (`rows_linear`) and the fused layer and model steps
+#: take: on the 2-core CPU this project benchmarks on, the kernel's products are 3x MKL's `F.linear` at 4 rows,
+#: 1.6x at 20 and even at 64 (`results/bench-static/probes/rows_vs_mkl.txt`); above (a prefill, a larger batch),
+#: the stock product.
 MAX_ROWS = 64
 
 SOURCES = [

@@ -85,6 +85,7 @@ def run_bench(
     run = dict(budget=budget, gen_len=gen_len, repeats=repeats, warmup=warmup, prefill_chunk=prefill_chunk)
     bar = tqdm(configs, desc="bench", disable=not progress, dynamic_ncols=True)
     rows: list[Row] = []
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     try:
         with torch.inference_mode():
             for count, prompt_len, batch, names in bar:
@@ -94,11 +95,12 @@ def run_bench(
                     warm_up(model, prompt_ids(token_ids, min(prompt_lens), 1).to(device), policies, budget)
                 label = ",".join(names)
                 bar.set_postfix_str(f"{label} prompt={prompt_len} batch={batch} threads={torch.get_num_threads()}")
-                rows += bench_together(model, prompt_ids(token_ids, prompt_len, batch).to(device), names, **run)
+                added = bench_together(model, prompt_ids(token_ids, prompt_len, batch).to(device), names, **run)
+                torch.set_num_threads(threads[0])  # the machine's bandwidth, right after these rows' decode steps
+                add_roofline(added, weight_bytes, measure_bandwidth(device))
+                rows += added
             add_ratios(rows)
-            weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
             torch.set_num_threads(threads[0])
-            add_roofline(rows, weight_bytes, measure_bandwidth(device))
             bar.set_postfix_str("same memory, bigger batch")
             first = [r for r in rows if r["threads"] == torch.get_num_threads()]
             rows += same_memory(model, token_ids, first, cap_gb=memory_cap_gb, device=device, interleave=interleave)
@@ -128,8 +130,9 @@ def add_ratios(rows: list[Row]) -> None:
 def add_roofline(rows: list[Row], weight_bytes: int, bandwidth: float) -> None:
     """Memory-bound floor of a decoding step: read every weight and the kept KV once.
 
-    `roofline_ms` is that floor at the end of the run; `roofline_frac` is how close the last
-    measured step came to it (1.0 = at the memory-bandwidth limit).
+    `roofline_ms` is that floor at the end of the run, at the `bandwidth` (bytes/s) measured right after the rows'
+    decode steps (the VM's bandwidth drifts by a fifth over a run); `roofline_frac` is how close the last measured
+    step came to it (1.0 = at the memory-bandwidth limit).
     """
     for row in rows:
         floor_s = (weight_bytes + row["kv_bytes"]) / bandwidth

@@ -33,6 +33,7 @@ None uses them where they can be built (`missing()`), False keeps torch's path, 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import shutil
 import threading
@@ -50,6 +51,7 @@ SOURCES = [
     Path(__file__).parent / "csrc" / name
     for name in ("attend_one.cpp", "pooled_attend.cpp", "rows_linear.cpp", "model_step.cpp")
 ]
+HEADERS = [Path(__file__).parent / "csrc" / "kernels.h"]
 _lock = threading.Lock()
 _loaded = False
 
@@ -91,8 +93,16 @@ def load() -> None:
             from torch.utils.cpp_extension import load as build
 
             sources = [str(path) for path in SOURCES]
-            build(name="h2o_kv_kernels", sources=sources, extra_cflags=flags(), is_python_module=False)
+            options = flags() + [headers_flag(HEADERS)]  # a header's change rebuilds too
+            build(name="h2o_kv_kernels", sources=sources, extra_cflags=options, is_python_module=False)
             _loaded = True
+
+
+def headers_flag(headers: list[Path]) -> str:
+    """A define naming the headers' contents: torch's extension builder rebuilds when the sources or the flags
+    change, and does not read the headers the sources include."""
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in headers)).hexdigest()[:16]
+    return f"-DH2O_KV_HEADERS={digest}"
 
 
 def flags() -> list[str]:

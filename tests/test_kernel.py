@@ -354,3 +354,18 @@ def test_pooled_decode_step_equals_the_eager_steady_step(case):
     torch.testing.assert_close(out, expected)
     for a, b in zip(mine, (keys, values, tag, pos, score)):
         assert torch.equal(a, b)
+
+
+def test_a_header_change_changes_the_build_flags(tmp_path):
+    """torch's extension builder hashes the sources and flags, not the headers: native.load names the
+    headers' contents in a flag so that a header's change alone rebuilds the kernels."""
+    header = tmp_path / "kernels.h"
+    header.write_text("int f();\n")
+    before = h2o_kv.native.headers_flag([header])
+    assert before == h2o_kv.native.headers_flag([header])
+    header.write_text("int f(int);\n")
+    assert h2o_kv.native.headers_flag([header]) != before
+    assert all(path.exists() for path in h2o_kv.native.HEADERS)
+    with mock.patch.object(h2o_kv.native, "_loaded", False), mock.patch("torch.utils.cpp_extension.load") as build:
+        h2o_kv.native.load()
+    assert h2o_kv.native.headers_flag(h2o_kv.native.HEADERS) in build.call_args.kwargs["extra_cflags"]

@@ -79,6 +79,20 @@ def test_decode_steps_equal_the_per_layer_path_to_the_bit(build, policy, dtype, 
     assert caches[1].kept_tokens == caches[0].kept_tokens <= 8 + 1
 
 
+def test_a_batch_of_twenty_takes_the_fused_step_to_the_bit(monkeypatch):
+    """Up to native.MAX_ROWS rows (64) the kernels take the step: the same-memory batch of 20 decodes through
+    model_step (counted), its logits and cache the per-layer path's, bit for bit."""
+    per_layer, fused = pair(lambda: make_model("llama"))
+    calls = model_steps(monkeypatch)
+    ids = random_ids(20, 22)
+    caches = [POLICIES["h2o"](), POLICIES["h2o"]()]
+    with torch.no_grad():
+        for cols in [slice(0, 16)] + [slice(t, t + 1) for t in range(16, 22)]:
+            assert torch.equal(forward(per_layer, caches[0], ids[:, cols]), forward(fused, caches[1], ids[:, cols]))
+    assert calls == [20] * 5
+    assert_same_cache(*caches)
+
+
 def test_the_fused_steps_keep_the_tokens_of_the_literal_reference(monkeypatch):
     """tests/reference.py (docs/eviction.md read literally, float64) fed each layer's queries, keys and values as
     the per-layer path computes them (recorded there): after a prompt and ten decode steps, nine of them fused,

@@ -99,8 +99,7 @@ def run_bench(
                 torch.set_num_threads(threads[0])  # the machine's bandwidth, right after these rows' decode steps
                 add_roofline(added, weight_bytes, measure_bandwidth(device))
                 rows += added
-            add_ratios(rows)
-            torch.set_num_threads(threads[0])
+            add_ratios(rows)  # the threads are at the first count again (set for each bandwidth reading)
             bar.set_postfix_str("same memory, bigger batch")
             first = [r for r in rows if r["threads"] == torch.get_num_threads()]
             rows += same_memory(model, token_ids, first, cap_gb=memory_cap_gb, device=device, interleave=interleave)

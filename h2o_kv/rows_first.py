@@ -2,7 +2,7 @@
 
 A decode step multiplies a few rows x (one per sequence) by every weight matrix W of the model, so its
 time is the time to read the weights. `nn.Linear` computes x @ W^T; MKL's float32 GEMM reads W about half
-as fast that way as when W is the left operand, (W @ x^T)^T, at 2-64 rows on the 2-core CPU this project
+as fast that way as when W is the left operand, (W @ x^T)^T, at 2-16 rows on the 2-core CPU this project
 benchmarks on (`results/bench-static/probes/linear_order.txt`), and neither order reads W at the memory's
 speed. h2o-kv's C++ kernel (`native.rows_linear`, `csrc/rows_linear.cpp`) streams each weight row once
 (`results/bench-static/probes/rows_linear.txt`). The values are the same products summed in another order

@@ -219,11 +219,14 @@ void rms_norm(const float* h, const T* weight, double eps, int64_t R, int64_t K,
   }
 }
 
-// The hidden states x [B, T, K] (float32 or bfloat16, at most 64 rows: native.MAX_ROWS) and a norm weight [K] of their dtype.
+constexpr int64_t MAX_ROWS = 64;  // native.MAX_ROWS
+
+// The hidden states x [B, T, K] (float32 or bfloat16, at most MAX_ROWS rows) and a norm weight [K] of their dtype.
 at::ScalarType check_hidden(const at::Tensor& x, const at::Tensor& norm) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "fused layer: float32 or bfloat16 hidden states");
-  TORCH_CHECK(x.dim() == 3 && x.size(0) * x.size(1) <= 64, "fused layer: x [B, T, K] with at most 64 rows");
+  TORCH_CHECK(x.dim() == 3 && x.size(0) * x.size(1) <= MAX_ROWS, "fused layer: x [B, T, K] with at most ", MAX_ROWS,
+              " rows");
   TORCH_CHECK(norm.scalar_type() == dtype && norm.numel() == x.size(2) && norm.is_contiguous(),
               "fused layer: norm weight [K]");
   return dtype;

@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 
 from . import policies, rows_first
+from .allocator import retain_freed_memory
 from .engine import Engine
 from .generation import Sampling, encode
 
@@ -329,6 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Exit codes: 0 done, 2 bad input (one line on stderr, nothing loaded), 130 interrupted (Ctrl-C)."""
     try:
         args = build_parser().parse_args(argv)
+        retain_freed_memory()  # prompts reuse freed pages instead of faulting in new ones (allocator.py)
         return args.func(args)
     except (ValueError, FileNotFoundError, TypeError) as err:
         print(f"h2o-kv: error: {err}", file=sys.stderr)

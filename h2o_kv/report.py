@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .allocator import malloc_state
 from .kernel import native_products
 
 Row = dict[str, Any]
@@ -63,6 +64,7 @@ def environment() -> Row:
         cpus=os.cpu_count(),
         torch_threads=torch.get_num_threads(),
         load_avg=os.getloadavg() if hasattr(os, "getloadavg") else None,  # a busy machine gives noisy timings
+        malloc=malloc_state(),  # "retained": glibc keeps freed memory (allocator.py), prompts fault far less
         cuda=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     )
 

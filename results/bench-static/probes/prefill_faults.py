@@ -4,6 +4,7 @@ rows-first, StaticCache + SDPA and H2O at 20 %, with glibc as it comes or told t
 configuration's process prefills H2O, then StaticCache, after one untimed short prompt; the minor page faults
 (first touches of new pages) are the process's own count (getrusage) around each prefill.
 """
+
 import resource
 import sys
 import time

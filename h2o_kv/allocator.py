@@ -5,7 +5,7 @@ unmaps them when freed. A prompt's activations are far above that (SmolLM2-135M 
 per hidden state, 100 MB per MLP intermediate, about 800 MB per layer), so every layer of every prefill
 touches new pages, and each first touch is a page fault: 5-7 million of them in one such prefill, which
 took 20-40 % of it on the 2-core VM this project benchmarks on (`results/bench-static/probes/prefill_faults.txt`).
-Decode steps allocate little and fault not at all.
+Decode steps allocate little and fault almost never (`probes/decode_faults.txt`).
 
 `retain_freed_memory()` asks glibc (mallopt) to serve large blocks from its heap too and to keep the
 heap's freed top, so the next prompt reuses pages already mapped: what jemalloc and tcmalloc, which

@@ -1,0 +1,41 @@
+"""One layer's prompt attention at SmolLM2-135M's shapes (batch 4, 9 query heads over 3 KV heads of 64, argv[1]
+tokens, default 4096): torch's SDPA (causal, what StaticCache's prefill runs) against h2o-kv's `kernel.attend`
+with H2O's scores (every query's probabilities summed per slot, what H2O's prefill runs); best of 3 after one
+untimed call, then torch.profiler's table of one `kernel.attend` call.
+"""
+
+import sys
+import time
+
+import torch
+from torch.profiler import profile
+
+from h2o_kv import kernel
+
+torch.manual_seed(0)
+B, Hq, H, D = 4, 9, 3, 64
+n = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
+q, k, v = torch.randn(B, Hq, n, D), torch.randn(B, H, n, D), torch.randn(B, H, n, D)
+pos, qpos = torch.arange(n).expand(B, H, n).contiguous(), torch.arange(n).expand(B, n)
+
+
+def sdpa():
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.125, enable_gqa=True)
+
+
+def h2o():
+    return kernel.attend(q, k, v, pos, qpos, scaling=0.125, new_from=0, want_scores=True)
+
+
+print(f"# {B} x {n} tokens, {Hq} query heads over {H} KV heads of {D}, {torch.get_num_threads()} threads")
+for name, f in (("SDPA (causal)", sdpa), ("kernel.attend, H2O's scores", h2o)):
+    f()
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        f()
+        best = min(best, time.perf_counter() - start)
+    print(f"{name:28s} {best * 1e3:6.0f} ms a layer", flush=True)
+with profile() as prof:
+    h2o()
+print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))

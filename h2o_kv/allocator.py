@@ -3,8 +3,9 @@
 glibc serves every allocation above its mmap threshold (at most 32 MiB) with fresh pages from the OS and
 unmaps them when freed. A prompt's activations are far above that (SmolLM2-135M at 4 x 4096 tokens: 38 MB
 per hidden state, 100 MB per MLP intermediate, about 800 MB per layer), so every layer of every prefill
-touches new pages, and each first touch is a page fault: 5-7 million of them in one such prefill, which
-took 20-40 % of it on the 2-core VM this project benchmarks on (`results/bench-static/probes/prefill_faults.txt`).
+touches new pages, and each first touch is a page fault: 7.6-8.0 million of them in one such prefill on the
+2-core VM this project benchmarks on, 0.24-0.30 million with freed memory kept, and the prefill 22-23 % faster
+(`results/bench-static/probes/prefill_faults.txt`).
 Decode steps allocate little and fault almost never (`probes/decode_faults.txt`).
 
 `retain_freed_memory()` asks glibc (mallopt) to serve large blocks from its heap too and to keep the

@@ -1,6 +1,6 @@
 """allocator.py: glibc keeps freed memory, so a second large block reuses mapped pages instead of faulting.
 
-Each case runs in its own process: mallopt changes the whole process, and the pytest process keeps its own.
+The cases that set it run in their own process: mallopt changes the whole process.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt's 
 
 # Allocate, touch and free a 256 MiB tensor twice; print the minor page faults of the second round.
 SCRIPT = """
-import resource, sys, torch
+import resource, torch
 from h2o_kv.allocator import retain_freed_memory
 print(retain_freed_memory())
-for round in range(2):
+for _ in range(2):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     block = torch.ones(64 * 2**20)  # 256 MiB of float32, every page written
     del block

@@ -1,4 +1,4 @@
-"""allocator.py: glibc keeps freed memory, so a second large block reuses mapped pages instead of faulting.
+"""allocator.py: glibc keeps freed memory, so later large blocks reuse mapped pages instead of faulting.
 
 The cases that set it run in their own process: mallopt changes the whole process.
 """
@@ -16,22 +16,25 @@ from h2o_kv import allocator, cli
 
 glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt's parameters are glibc's")
 
-# Allocate, touch and free a 256 MiB tensor twice; print the minor page faults of the second round.
+# Allocate, touch and free a 256 MiB tensor five times; print the minor page faults of rounds 2-5. Small
+# objects made between rounds can take the start of the freed block, so the heap may grow once more before
+# the blocks reuse it: retained, about one round's pages in all; glibc as it comes, every round's.
 SCRIPT = """
 import resource, torch
 from h2o_kv.allocator import retain_freed_memory
 print(retain_freed_memory())
-for _ in range(2):
+faults = []
+for _ in range(5):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     block = torch.ones(64 * 2**20)  # 256 MiB of float32, every page written
     del block
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-print(faults)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(sum(faults[1:]))
 """
 PAGES = 256 * 2**20 // os.sysconf("SC_PAGE_SIZE")
 
 
-def second_round(malloc: str) -> tuple[str, int]:
+def later_rounds(malloc: str) -> tuple[str, int]:
     env = dict(os.environ, H2O_KV_MALLOC=malloc)
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -41,16 +44,16 @@ def second_round(malloc: str) -> tuple[str, int]:
 
 @glibc
 def test_retained_memory_is_reused_without_faults():
-    state, faults = second_round("retained")
+    state, faults = later_rounds("retained")
     assert state == "retained"
-    assert faults < PAGES // 20, f"{faults} faults for {PAGES} pages: the freed block was not reused"
+    assert faults < 2 * PAGES, f"{faults} faults in four rounds of {PAGES} pages: the freed blocks were not reused"
 
 
 @glibc
 def test_system_malloc_faults_every_page_again():
-    state, faults = second_round("system")
+    state, faults = later_rounds("system")
     assert state == "system"
-    assert faults > PAGES // 2, f"only {faults} faults for {PAGES} pages: glibc kept the block by itself"
+    assert faults > 3 * PAGES, f"only {faults} faults in four rounds of {PAGES} pages: glibc kept the blocks"
 
 
 def test_a_bad_setting_is_one_line_from_the_command(monkeypatch, capsys):

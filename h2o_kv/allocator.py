@@ -11,9 +11,10 @@ Decode steps allocate little and fault almost never (`probes/decode_faults.txt`)
 `retain_freed_memory()` asks glibc (mallopt) to serve large blocks from its heap too and to keep the
 heap's freed top, so the next prompt reuses pages already mapped: what jemalloc and tcmalloc, which
 PyTorch's CPU performance guides preload, do by default. The resident size then stays at its high-water
-mark rather than falling between prompts. It is process-wide, so the library never calls it on import;
-the `h2o-kv` command does at its start, for every subcommand (generate, serve, eval, bench), unless the
-environment sets `H2O_KV_MALLOC=system`.
+mark rather than falling between prompts, and a prompt's peak is higher (the heap grows once more before freed
+blocks fit again: about 300 MB at 4 x 4096, `results/bench-static/retained-rows-first/`). It is
+process-wide, so the library never calls it on import; the `h2o-kv` command does at its start, for every
+subcommand (generate, serve, eval, bench), unless the environment sets `H2O_KV_MALLOC=system`.
 """
 
 from __future__ import annotations

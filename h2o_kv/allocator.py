@@ -41,7 +41,7 @@ def retain_freed_memory() -> str:
     choice = os.environ.get("H2O_KV_MALLOC", "retained").strip().lower()
     if choice not in ("retained", "system"):
         raise ValueError(f"H2O_KV_MALLOC must be 'retained' or 'system', got {choice!r}")
-    libc = _glibc() if choice == "retained" else None
+    libc = glibc() if choice == "retained" else None
     if libc is None:
         _state = "system"
         return _state
@@ -56,8 +56,8 @@ def malloc_state() -> str:
     return _state or "system"
 
 
-def _glibc() -> ctypes.CDLL | None:
-    """The C library when it is glibc (the one with mallopt's parameters above), else None."""
+def glibc() -> ctypes.CDLL | None:
+    """The C library when it is glibc (mallopt's parameters above, malloc_trim), else None."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
     name = ctypes.util.find_library("c") or "libc.so.6"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import re
 import resource
@@ -10,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from h2o_kv.allocator import glibc
 from h2o_kv.cache import KVCache
 
 from .config import Cache
@@ -87,8 +87,7 @@ def _proc_status_kb(field: str) -> int:
 
 def _malloc_trim() -> None:
     """Hand freed heap back to the OS (glibc only), so the next region's RSS starts low."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc: nothing to trim, the RSS figures just start higher
+    libc = glibc()
+    if libc is None:  # not glibc: nothing to trim, the RSS figures just start higher
         return
     libc.malloc_trim(0)

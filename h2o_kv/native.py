@@ -20,6 +20,9 @@ or read memory slower, than needed.
   MKL's products at 4 rows read the weights at about half the memory's speed; this kernel streams each
   weight row once. `layer_in` and `layer_out` (same file): a Llama decoder layer's decode step around the
   cache (fused_layer.py), its norms, rotary embedding, SiLU and residuals with those products.
+- `prompt_attend` (`csrc/prompt_attend.cpp`): a prompt's attention with every query's probabilities summed per slot
+  (H2O's scores), per (sequence, KV head) on tiles of queries inside the core's cache; the blocked torch path's
+  batched products at its shapes run at about half SDPA's speed.
 - `model_step` (`csrc/model_step.cpp`): a Llama model's whole steady decode step over a `KVCache` (fused_model.py):
   each layer's `layer_in`, `decode_step` and `layer_out` in turn in one call, without the Python between them.
 
@@ -49,7 +52,7 @@ MAX_ROWS = 64
 
 SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("attend_one.cpp", "pooled_attend.cpp", "rows_linear.cpp", "model_step.cpp")
+    for name in ("attend_one.cpp", "pooled_attend.cpp", "rows_linear.cpp", "model_step.cpp", "prompt_attend.cpp")
 ]
 HEADERS = [Path(__file__).parent / "csrc" / "kernels.h"]
 _lock = threading.Lock()
@@ -172,6 +175,28 @@ def decode_step(
         new_value_scale, qpos, recent, capacity, scaling, 0.0 if softcap is None else softcap,
     )  # fmt: skip
     return out, freed
+
+
+def prompt_attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    pos: torch.Tensor,
+    *,
+    new_from: int,
+    scaling: float,
+    want_scores: bool,
+    score_from: int,
+    want_last: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`kernel.attend` for in-order new tokens (slots new_from .. new_from + n - 1) without padding, window or
+    softcap: q [B, Hq, n, D], keys/values [B, H, S, D] float32, pos [B, H, S] (an old slot with pos < 0 is empty).
+    Returns the output [B, n, Hq, D], the probabilities of the queries from `score_from` on summed per slot over
+    queries and the group's heads [B, H, S], and the last query's averaged over the group (None where not asked)."""
+    load()
+    out, scores, last = torch.ops.h2o_kv.prompt_attend(q, keys, values, pos, new_from, scaling, want_scores,
+                                                       score_from, want_last)  # fmt: skip
+    return out, scores if want_scores else None, last if want_last else None
 
 
 def pooled_attend_one(

@@ -369,3 +369,52 @@ def test_a_header_change_changes_the_build_flags(tmp_path):
     with mock.patch.object(h2o_kv.native, "_loaded", False), mock.patch("torch.utils.cpp_extension.load") as build:
         h2o_kv.native.load()
     assert h2o_kv.native.headers_flag(h2o_kv.native.HEADERS) in build.call_args.kwargs["extra_cflags"]
+
+
+@pytest.mark.parametrize(
+    "batch,q_heads,kv_heads,new_from,n,holes",
+    [(2, 6, 2, 0, 37, False), (1, 4, 4, 12, 300, True), (3, 8, 2, 5, 700, True), (2, 9, 3, 0, 1, False)],
+    ids=["prompt", "chunk-after-holes", "several-tiles", "one-query"],
+)
+@pytest.mark.parametrize("want", ["scores", "window+last", "output"])
+def test_native_prompt_kernel_equals_the_blocked_path(batch, q_heads, kv_heads, new_from, n, holes, want):
+    """native.prompt_attend (a prompt's attention with H2O's scores, tiles of queries per (sequence, KV head) in
+    C++) gives the blocked torch path's output, scores and last-query attention: the causal triangle after
+    `new_from` old slots, empty old slots masked, queries before `score_from` not scoring, tiles and parts that
+    do not divide the prompt."""
+    from h2o_kv import native
+
+    dim = 64 if n > 100 else 16
+    keys, values, pos = slots(batch, kv_heads, new_from, n, 3, dim, torch.float32, seed=n)
+    if holes:  # old slots left empty (a chunk after evictions)
+        pos[0, 0, 1] = pos[-1, -1, new_from - 1] = -1
+    q = torch.randn(batch, q_heads, n, dim, generator=torch.Generator().manual_seed(2))
+    qpos = torch.arange(new_from, new_from + n).expand(batch, n)
+    options = dict(scaling=dim**-0.5, want_scores=want != "output", want_last=want == "window+last",
+                   score_from=n // 2 if want == "window+last" else 0)  # fmt: skip
+    blocked = kernel.attend(q, keys, values, pos, qpos, new_from=new_from, native_kernels=False, **options)
+    with mock.patch.object(native, "prompt_attend", wraps=native.prompt_attend) as native_path:
+        got = kernel.attend(q, keys, values, pos, qpos, new_from=new_from, native_kernels=True, **options)
+    takes_sdpa = want != "scores" and not holes  # no query before score_from scores: attend_prompt (SDPA)
+    assert native_path.call_count == (1 if n > 1 and not takes_sdpa else 0)
+    torch.testing.assert_close(got[0], blocked[0], atol=1e-5, rtol=1e-5)
+    for mine, want_tensor in zip(got[1:], blocked[1:]):
+        assert (mine is None) == (want_tensor is None)
+        if mine is not None:
+            torch.testing.assert_close(mine, want_tensor, atol=1e-4, rtol=1e-5)
+
+
+def test_native_prompt_kernel_gives_a_sequence_the_same_numbers_alone_as_in_a_batch():
+    """The kernel's work per sequence does not depend on the other rows (its split into tasks follows the prompt's
+    shape): each row of a batch equals that row run alone, bit for bit (the engine's solo == batched)."""
+    from h2o_kv import native
+
+    keys, values, pos = slots(3, 2, 4, 500, 0, 64, torch.float32, seed=5)
+    q = torch.randn(3, 6, 500, 64, generator=torch.Generator().manual_seed(6))
+    options = dict(new_from=4, scaling=0.125, want_scores=True, score_from=0, want_last=True)
+    together = native.prompt_attend(q, keys, values, pos, **options)
+    for row in range(3):
+        alone = native.prompt_attend(q[row : row + 1], keys[row : row + 1], values[row : row + 1],
+                                     pos[row : row + 1], **options)  # fmt: skip
+        for a, b in zip(alone, together):
+            assert torch.equal(a[0], b[row])

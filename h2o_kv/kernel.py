@@ -111,13 +111,12 @@ def attend(
                                           window=window, want_scores=want_scores, want_last=want_last,
                                           score_from=score_from)  # fmt: skip
         return out.to(dtype), scores, last
-    in_order = new_from is not None and window is None and not has_padding
-    native_prompt = native_kernels and in_order and n > 1 and softcap is None and slot_head is None
-    if native_prompt and pos is not None and q.device.type == "cpu" and q.dtype == keys.dtype == torch.float32:
+    native_prompt = native_kernels and new_from is not None and window is None and softcap is None and n > 1
+    if native_prompt and slot_head is None and q.device.type == "cpu" and q.dtype == keys.dtype == torch.float32:
         # a prompt's or chunk's probabilities summed per slot (H2O): tiles of queries in C++ (native.prompt_attend)
-        out, scores, last = native.prompt_attend(q, keys, values, pos, new_from=new_from, scaling=scaling,
-                                                 want_scores=want_scores, score_from=score_from,
-                                                 want_last=want_last)  # fmt: skip
+        out, scores, last = native.prompt_attend(q, keys, values, pos, qpos, has_padding=has_padding,
+                                                 new_from=new_from, scaling=scaling, want_scores=want_scores,
+                                                 score_from=score_from, want_last=want_last)  # fmt: skip
         return out.to(dtype), scores, last
     kv_heads, slots = keys.shape[1], keys.shape[2]
     group = q_heads // kv_heads
@@ -125,6 +124,7 @@ def attend(
     block = max(1, QUERY_BLOCK_ELEMENTS // max(1, batch * q_heads * slots))
     # In-order new tokens without padding or window: only empty old slots and the causal triangle
     # of each block need masking, no [queries x slots] mask has to be built.
+    in_order = new_from is not None and window is None and not has_padding
     old_holes = (pos[:, :, None, None, :new_from] < 0) if in_order else None
     if old_holes is not None and not bool(old_holes.any()):
         old_holes = None

@@ -182,20 +182,23 @@ def prompt_attend(
     keys: torch.Tensor,
     values: torch.Tensor,
     pos: torch.Tensor,
+    qpos: torch.Tensor,
     *,
+    has_padding: bool,
     new_from: int,
     scaling: float,
     want_scores: bool,
     score_from: int,
     want_last: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """`kernel.attend` for in-order new tokens (slots new_from .. new_from + n - 1) without padding, window or
-    softcap: q [B, Hq, n, D], keys/values [B, H, S, D] float32, pos [B, H, S] (an old slot with pos < 0 is empty).
+    """`kernel.attend` for new tokens in order in slots new_from .. new_from + n - 1, without window or softcap:
+    q [B, Hq, n, D], keys/values [B, H, S, D] float32, pos [B, H, S] (an old slot with pos < 0 is empty), qpos
+    [B, n] (read with `has_padding`: query i sees the slots at positions 0 .. qpos[i], none at -1).
     Returns the output [B, n, Hq, D], the probabilities of the queries from `score_from` on summed per slot over
     queries and the group's heads [B, H, S], and the last query's averaged over the group (None where not asked)."""
     load()
-    out, scores, last = torch.ops.h2o_kv.prompt_attend(q, keys, values, pos, new_from, scaling, want_scores,
-                                                       score_from, want_last)  # fmt: skip
+    out, scores, last = torch.ops.h2o_kv.prompt_attend(q, keys, values, pos, qpos, has_padding, new_from, scaling,
+                                                       want_scores, score_from, want_last)  # fmt: skip
     return out, scores if want_scores else None, last if want_last else None
 
 

@@ -373,25 +373,31 @@ def test_a_header_change_changes_the_build_flags(tmp_path):
 
 @pytest.mark.parametrize(
     "batch,q_heads,kv_heads,new_from,n,holes",
-    [(2, 6, 2, 0, 37, False), (1, 4, 4, 12, 300, True), (3, 8, 2, 5, 700, True), (2, 9, 3, 0, 1, False)],
-    ids=["prompt", "chunk-after-holes", "several-tiles", "one-query"],
+    [(2, 6, 2, 0, 37, False), (1, 4, 4, 12, 300, True), (3, 8, 2, 5, 700, True), (2, 9, 3, 0, 1, False),
+     (3, 6, 3, 0, 90, "padded"), (2, 4, 2, 9, 200, "padded")],
+    ids=["prompt", "chunk-after-holes", "several-tiles", "one-query", "padded-prompt", "padded-chunk"],
 )
 @pytest.mark.parametrize("want", ["scores", "window+last", "output"])
 def test_native_prompt_kernel_equals_the_blocked_path(batch, q_heads, kv_heads, new_from, n, holes, want):
     """native.prompt_attend (a prompt's attention with H2O's scores, tiles of queries per (sequence, KV head) in
     C++) gives the blocked torch path's output, scores and last-query attention: the causal triangle after
     `new_from` old slots, empty old slots masked, queries before `score_from` not scoring, tiles and parts that
-    do not divide the prompt."""
+    do not divide the prompt, a left-padded batch (padding queries at -1 see nothing)."""
     from h2o_kv import native
 
     dim = 64 if n > 100 else 16
     keys, values, pos = slots(batch, kv_heads, new_from, n, 3, dim, torch.float32, seed=n)
-    if holes:  # old slots left empty (a chunk after evictions)
+    qpos = torch.arange(new_from, new_from + n).expand(batch, n).clone()
+    if holes == "padded":  # row 1's first 7 tokens are padding: no position, slots empty
+        qpos[1, :7] = -1
+        qpos[1, 7:] -= 7 + new_from
+        pos[1, :, : new_from + 7] = -1
+        pos[1, :, new_from + 7 : new_from + n] = qpos[1, 7:]
+    elif holes:  # old slots left empty (a chunk after evictions)
         pos[0, 0, 1] = pos[-1, -1, new_from - 1] = -1
     q = torch.randn(batch, q_heads, n, dim, generator=torch.Generator().manual_seed(2))
-    qpos = torch.arange(new_from, new_from + n).expand(batch, n)
     options = dict(scaling=dim**-0.5, want_scores=want != "output", want_last=want == "window+last",
-                   score_from=n // 2 if want == "window+last" else 0)  # fmt: skip
+                   score_from=n // 2 if want == "window+last" else 0, has_padding=holes == "padded")  # fmt: skip
     blocked = kernel.attend(q, keys, values, pos, qpos, new_from=new_from, native_kernels=False, **options)
     with mock.patch.object(native, "prompt_attend", wraps=native.prompt_attend) as native_path:
         got = kernel.attend(q, keys, values, pos, qpos, new_from=new_from, native_kernels=True, **options)
@@ -411,10 +417,11 @@ def test_native_prompt_kernel_gives_a_sequence_the_same_numbers_alone_as_in_a_ba
 
     keys, values, pos = slots(3, 2, 4, 500, 0, 64, torch.float32, seed=5)
     q = torch.randn(3, 6, 500, 64, generator=torch.Generator().manual_seed(6))
-    options = dict(new_from=4, scaling=0.125, want_scores=True, score_from=0, want_last=True)
-    together = native.prompt_attend(q, keys, values, pos, **options)
+    qpos = torch.arange(4, 504).expand(3, 500)
+    options = dict(has_padding=False, new_from=4, scaling=0.125, want_scores=True, score_from=0, want_last=True)
+    together = native.prompt_attend(q, keys, values, pos, qpos, **options)
     for row in range(3):
         alone = native.prompt_attend(q[row : row + 1], keys[row : row + 1], values[row : row + 1],
-                                     pos[row : row + 1], **options)  # fmt: skip
+                                     pos[row : row + 1], qpos[row : row + 1], **options)  # fmt: skip
         for a, b in zip(alone, together):
             assert torch.equal(a[0], b[row])

@@ -9,7 +9,8 @@
 // core's cache: the logits against the slots the tile sees (one MKL product), then per row the mask, maximum,
 // exp and sum in one pass, the output (a second product) and the probabilities added into the slots' scores.
 // Query i sees slots 0 .. new_from + i (the new tokens sit in slots new_from .. in order) except empty old
-// slots (pos < 0).
+// slots (pos < 0); in a padded batch, of those, the slots holding positions 0 .. qpos[i] (a padding query, at
+// -1, sees none and gives zeros).
 //
 // Each (sequence, KV head) is split into PARTS runs of consecutive tiles of about equal work (the tiles' widths
 // grow with the causal triangle), each a task on torch's threads with its own score row; the parts' rows are
@@ -55,12 +56,17 @@ std::vector<int64_t> part_bounds(int64_t tiles, int64_t qt, int64_t n, int64_t n
   return bounds;
 }
 
-// Row r of p [0, lim): masked (holes) -> exp(x - max) in place, zeros in [lim, width); returns 1 / sum (the
-// row's normaliser; a row with nothing visible stays zeros).
-float softmax_row(float* p, int64_t lim, int64_t width, const std::vector<int64_t>& holes) {
-  for (int64_t j : holes) {
-    if (j >= lim) break;
-    p[j] = NEG_INF;
+// Row r of p [0, lim): masked (holes; with `pos`, every slot outside 0 .. t) -> exp(x - max) in place, zeros in
+// [lim, width); returns 1 / sum (the row's normaliser; a row with nothing visible stays zeros).
+float softmax_row(float* p, int64_t lim, int64_t width, const std::vector<int64_t>& holes, const int64_t* pos,
+                  int64_t t) {
+  if (pos) {
+    for (int64_t j = 0; j < lim; ++j) p[j] = (pos[j] < 0 || pos[j] > t) ? NEG_INF : p[j];
+  } else {
+    for (int64_t j : holes) {
+      if (j >= lim) break;
+      p[j] = NEG_INF;
+    }
   }
   Vec vmax(NEG_INF);
   int64_t j = 0;
@@ -93,10 +99,11 @@ inline void add_scaled(float* dst, const float* src, float w, int64_t len) {
   for (; j < len; ++j) dst[j] += w * src[j];
 }
 
-// q [B, Hq, n, D], keys/values [B, H, S, D] float32, pos [B, H, S]; see native.prompt_attend.
+// q [B, Hq, n, D], keys/values [B, H, S, D] float32, pos [B, H, S], qpos [B, n] (read with padding); see
+// native.prompt_attend.
 std::vector<at::Tensor> prompt_attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                                      const at::Tensor& pos, int64_t new_from, double scaling, bool want_scores,
-                                      int64_t score_from, bool want_last) {
+                                      const at::Tensor& pos, const at::Tensor& qpos, bool padding, int64_t new_from,
+                                      double scaling, bool want_scores, int64_t score_from, bool want_last) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat
                   && values.scalar_type() == at::kFloat,
               "prompt_attend: float32 queries, keys and values");
@@ -107,9 +114,11 @@ std::vector<at::Tensor> prompt_attend(const at::Tensor& q, const at::Tensor& key
   TORCH_CHECK(keys.size(0) == B && keys.size(3) == D && Hq % H == 0, "prompt_attend: shapes do not match");
   TORCH_CHECK(pos.size(0) == B && pos.size(1) == H && pos.size(2) == S, "prompt_attend: pos [B, H, S]");
   TORCH_CHECK(new_from >= 0 && new_from + n <= S, "prompt_attend: the new tokens sit in slots new_from ..");
+  TORCH_CHECK(!padding || (qpos.dim() == 2 && qpos.size(0) == B && qpos.size(1) == n), "prompt_attend: qpos [B, n]");
   const int64_t G = Hq / H, width_all = new_from + n;
   const at::Tensor qc = q.contiguous(), kc = keys.contiguous(), vc = values.contiguous();
-  const at::Tensor old_pos = pos.narrow(2, 0, new_from).to(at::kLong).contiguous();
+  const at::Tensor all_pos = pos.narrow(2, 0, width_all).to(at::kLong).contiguous();  // [B, H, new_from + n]
+  const at::Tensor query_pos = padding ? qpos.to(at::kLong).contiguous() : at::Tensor();
   at::Tensor out = at::empty({B, n, Hq, D}, q.options());
   at::Tensor scores = want_scores ? at::zeros({B, H, S}, q.options()) : at::empty({0}, q.options());
   at::Tensor last = want_last ? at::zeros({B, H, S}, q.options()) : at::empty({0}, q.options());
@@ -120,7 +129,8 @@ std::vector<at::Tensor> prompt_attend(const at::Tensor& q, const at::Tensor& key
   const float* qp = qc.data_ptr<float>();
   const float* kp = kc.data_ptr<float>();
   const float* vp = vc.data_ptr<float>();
-  const int64_t* pp = old_pos.data_ptr<int64_t>();
+  const int64_t* pp = all_pos.data_ptr<int64_t>();
+  const int64_t* qq = padding ? query_pos.data_ptr<int64_t>() : nullptr;
   float* op = out.data_ptr<float>();
   float* partp = want_scores ? parts.data_ptr<float>() : nullptr;
   float* lastp = want_last ? last.data_ptr<float>() : nullptr;
@@ -135,8 +145,9 @@ std::vector<at::Tensor> prompt_attend(const at::Tensor& q, const at::Tensor& key
       const float* krow = kp + bh * S * D;
       const float* vrow = vp + bh * S * D;
       holes.clear();
+      const int64_t* row_pos = pp + bh * width_all;
       for (int64_t j = 0; j < new_from; ++j)
-        if (pp[bh * new_from + j] < 0) holes.push_back(j);
+        if (row_pos[j] < 0) holes.push_back(j);
       for (int64_t tile = bounds[part]; tile < bounds[part + 1]; ++tile) {
         const int64_t i0 = tile * qt, m = std::min(qt, n - i0), rows = G * m, width = new_from + i0 + m;
         for (int64_t g = 0; g < G; ++g)  // rows g * m + qi: query head h * G + g, query i0 + qi, scaled
@@ -149,8 +160,11 @@ std::vector<at::Tensor> prompt_attend(const at::Tensor& q, const at::Tensor& key
         at::Tensor lt = at::from_blob(logits.data(), {rows, width}, f32);
         at::cpu::mm_out(lt, at::from_blob(qtile.data(), {rows, D}, f32),
                         at::from_blob(const_cast<float*>(krow), {width, D}, f32).t());
-        for (int64_t r = 0; r < rows; ++r)
-          inv[r] = softmax_row(logits.data() + r * width, new_from + i0 + r % m + 1, width, holes);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t i = i0 + r % m;
+          inv[r] = softmax_row(logits.data() + r * width, new_from + i + 1, width, holes, qq ? row_pos : nullptr,
+                               qq ? qq[b * n + i] : 0);
+        }
         // otile [rows, D] = probabilities [rows, width] @ values[:width]
         at::Tensor ot = at::from_blob(otile.data(), {rows, D}, f32);
         at::cpu::mm_out(ot, lt, at::from_blob(const_cast<float*>(vrow), {width, D}, f32));
@@ -181,7 +195,8 @@ std::vector<at::Tensor> prompt_attend(const at::Tensor& q, const at::Tensor& key
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(h2o_kv, m) {
-  m.def("prompt_attend(Tensor q, Tensor keys, Tensor values, Tensor pos, int new_from, float scaling, "
+  m.def("prompt_attend(Tensor q, Tensor keys, Tensor values, Tensor pos, Tensor qpos, bool padding, int new_from, "
+        "float scaling, "
         "bool want_scores, int score_from, bool want_last) -> Tensor[]",
         &prompt_attend);
 }

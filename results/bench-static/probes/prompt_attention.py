@@ -1,7 +1,8 @@
 """One layer's prompt attention at SmolLM2-135M's shapes (batch 4, 9 query heads over 3 KV heads of 64, argv[1]
 tokens, default 4096): torch's SDPA (causal, what StaticCache's prefill runs) against h2o-kv's `kernel.attend`
-with H2O's scores (every query's probabilities summed per slot, what H2O's prefill runs); best of 3 after one
-untimed call, then torch.profiler's table of one `kernel.attend` call.
+with H2O's scores (every query's probabilities summed per slot, what H2O's prefill runs), on torch's blocked path
+and on h2o-kv's C++ prompt kernel (`native.prompt_attend`, what H2O's prefill runs where the kernels build); best
+of 3 after one untimed call, then torch.profiler's table of one blocked `kernel.attend` call.
 """
 
 import sys
@@ -27,15 +28,20 @@ def h2o():
     return kernel.attend(q, k, v, pos, qpos, scaling=0.125, new_from=0, want_scores=True)
 
 
+def h2o_native():
+    return kernel.attend(q, k, v, pos, qpos, scaling=0.125, new_from=0, want_scores=True, native_kernels=True)
+
+
 print(f"# {B} x {n} tokens, {Hq} query heads over {H} KV heads of {D}, {torch.get_num_threads()} threads")
-for name, f in (("SDPA (causal)", sdpa), ("kernel.attend, H2O's scores", h2o)):
+runs = (("SDPA (causal)", sdpa), ("kernel.attend, H2O's scores", h2o), ("C++ prompt kernel, H2O's scores", h2o_native))
+for name, f in runs:
     f()
     best = float("inf")
     for _ in range(3):
         start = time.perf_counter()
         f()
         best = min(best, time.perf_counter() - start)
-    print(f"{name:28s} {best * 1e3:6.0f} ms a layer", flush=True)
+    print(f"{name:32s} {best * 1e3:6.0f} ms a layer", flush=True)
 with profile() as prof:
     h2o()
 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))

@@ -373,8 +373,14 @@ def test_a_header_change_changes_the_build_flags(tmp_path):
 
 @pytest.mark.parametrize(
     "batch,q_heads,kv_heads,new_from,n,holes",
-    [(2, 6, 2, 0, 37, False), (1, 4, 4, 12, 300, True), (3, 8, 2, 5, 700, True), (2, 9, 3, 0, 1, False),
-     (3, 6, 3, 0, 90, "padded"), (2, 4, 2, 9, 200, "padded")],
+    [
+        (2, 6, 2, 0, 37, False),
+        (1, 4, 4, 12, 300, True),
+        (3, 8, 2, 5, 700, True),
+        (2, 9, 3, 0, 1, False),
+        (3, 6, 3, 0, 90, "padded"),
+        (2, 4, 2, 9, 200, "padded"),
+    ],
     ids=["prompt", "chunk-after-holes", "several-tiles", "one-query", "padded-prompt", "padded-chunk"],
 )
 @pytest.mark.parametrize("want", ["scores", "window+last", "output"])

@@ -78,8 +78,9 @@ def attend(
     int8 keys/values come with their per-slot scales `key_scale`/`value_scale` [B, H, S] (quant.py);
     a decode step widens them into `work` when given (`widen`). With `native_kernels`, a decode step over int8,
     bfloat16 or float32 storage (`native_rows`: one row per KV head) or over a float32 head-pooled row runs h2o-kv's
-    C++ kernel instead (native.py). bfloat16/float16 on a CPU computes in
-    float32 (`compute_dtype`) and returns the output in the query's dtype.
+    C++ kernel instead (native.py), and so does a float32 prompt or chunk of in-order new tokens on a CPU without
+    window or softcap that no SDPA path takes (`native.prompt_attend`: H2O's scores). bfloat16/float16 on a CPU
+    computes in float32 (`compute_dtype`) and returns the output in the query's dtype.
     A head-pooled layer (one storage row shared by the KV heads, pooled.py) gives each slot's KV head
     `slot_head` [B, 1, S] and each query head's KV head `query_head` [H, G] (h for row h): a query sees only its own
     head's slots, so the scores summed over the "group" (every query head) count the slot's own group.

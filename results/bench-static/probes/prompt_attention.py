@@ -1,10 +1,12 @@
 """One layer's prompt attention at SmolLM2-135M's shapes (batch 4, 9 query heads over 3 KV heads of 64, argv[1]
 tokens, default 4096): torch's SDPA (causal, what StaticCache's prefill runs) against h2o-kv's `kernel.attend`
 with H2O's scores (every query's probabilities summed per slot, what H2O's prefill runs), on torch's blocked path
-and on h2o-kv's C++ prompt kernel (`native.prompt_attend`, what H2O's prefill runs where the kernels build); best
-of 3 after one untimed call, then torch.profiler's table of one blocked `kernel.attend` call.
+and on h2o-kv's C++ prompt kernel (`native.prompt_attend`, what H2O's prefill runs where the kernels build); five
+rounds of the three in turn after one untimed call each (best and median), then torch.profiler's table of one
+blocked `kernel.attend` call.
 """
 
+import statistics
 import sys
 import time
 
@@ -34,14 +36,17 @@ def h2o_native():
 
 print(f"# {B} x {n} tokens, {Hq} query heads over {H} KV heads of {D}, {torch.get_num_threads()} threads")
 runs = (("SDPA (causal)", sdpa), ("kernel.attend, H2O's scores", h2o), ("C++ prompt kernel, H2O's scores", h2o_native))
+times = {name: [] for name, _ in runs}
 for name, f in runs:
     f()
-    best = float("inf")
-    for _ in range(3):
+for _ in range(5):  # in turn, so a machine that slows down for a while slows them alike
+    for name, f in runs:
         start = time.perf_counter()
         f()
-        best = min(best, time.perf_counter() - start)
-    print(f"{name:32s} {best * 1e3:6.0f} ms a layer", flush=True)
+        times[name].append(time.perf_counter() - start)
+for name, _ in runs:
+    best, median = min(times[name]), statistics.median(times[name])
+    print(f"{name:32s} {best * 1e3:6.0f} ms a layer (best of 5), median {median * 1e3:6.0f}", flush=True)
 with profile() as prof:
     h2o()
 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))

@@ -37,7 +37,7 @@ def h2o_native():
 print(f"# {B} x {n} tokens, {Hq} query heads over {H} KV heads of {D}, {torch.get_num_threads()} threads")
 runs = (("SDPA (causal)", sdpa), ("kernel.attend, H2O's scores", h2o), ("C++ prompt kernel, H2O's scores", h2o_native))
 times = {name: [] for name, _ in runs}
-for name, f in runs:
+for _name, f in runs:
     f()
 for _ in range(5):  # in turn, so a machine that slows down for a while slows them alike
     for name, f in runs:

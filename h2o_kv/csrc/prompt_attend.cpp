@@ -1,5 +1,5 @@
 // A prompt's (or a chunk's) attention with the attention each slot received, on a CPU (built and called by
-// h2o_kv/native.py; kernel.attend takes it for in-order new tokens without padding, window or softcap).
+// h2o_kv/native.py; kernel.attend takes it for in-order new tokens without window or softcap).
 //
 // H2O's scores need every query's attention probabilities summed per slot, which torch's fused attention
 // (SDPA) never materialises; kernel.attend's blocked path computes them with three batched products over

@@ -26,7 +26,7 @@ or read memory slower, than needed.
 - `model_step` (`csrc/model_step.cpp`): a Llama model's whole steady decode step over a `KVCache` (fused_model.py):
   each layer's `layer_in`, `decode_step` and `layer_out` in turn in one call, without the Python between them.
 
-They are built at the first decode step that needs them on a CPU, with torch's extension builder (ninja
+They are built at the first prompt or decode step that needs them on a CPU, with torch's extension builder (ninja
 and a C++ compiler; about 20 s once per machine, then loaded from torch's extension cache,
 `TORCH_EXTENSIONS_DIR`), for this machine's vector width (torch's `get_cpu_capability`: AVX-512 or AVX2),
 and registered as `torch.ops.h2o_kv.*`. `KVCache` and `use_rows_first` take `compile_kernel` (`resolve`):
@@ -75,7 +75,7 @@ def missing() -> str | None:
 def resolve(compile_kernel: bool | None) -> bool:
     """Whether to use the kernels: None where they can be built, True always (an error where they cannot),
     False never. Callers build or load them (`load`) only when a CPU step first needs one (a cache's first
-    decode step, `use_rows_first`'s swap, the engine's start), so a cache on a GPU never builds them."""
+    prompt or decode step, `use_rows_first`'s swap, the engine's start), so a cache on a GPU never builds them."""
     if compile_kernel is not None and not isinstance(compile_kernel, bool):
         raise TypeError(f"compile_kernel must be None, True or False, got {compile_kernel!r}")
     if compile_kernel is False:

@@ -173,7 +173,7 @@ std::vector<at::Tensor> prompt_attend(const at::Tensor& q, const at::Tensor& key
       const float* vrow = vp + bh * S * D;
       holes.clear();
       const int64_t* row_pos = pp + bh * width_all;
-      for (int64_t j = 0; j < new_from; ++j)
+      for (int64_t j = 0; j < new_from && !qq; ++j)  // a padded batch's rows read every slot's position instead
         if (row_pos[j] < 0) holes.push_back(j);
       for (int64_t tile = bounds[part]; tile < bounds[part + 1]; ++tile) {
         const int64_t i0 = tile * qt, m = std::min(qt, n - i0), rows = G * m, width = new_from + i0 + m;

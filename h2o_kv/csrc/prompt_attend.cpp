@@ -228,7 +228,6 @@ std::vector<at::Tensor> prompt_attend(const at::Tensor& q, const at::Tensor& key
 
 TORCH_LIBRARY_FRAGMENT(h2o_kv, m) {
   m.def("prompt_attend(Tensor q, Tensor keys, Tensor values, Tensor pos, Tensor qpos, bool padding, int new_from, "
-        "float scaling, "
-        "bool want_scores, int score_from, bool want_last) -> Tensor[]",
+        "float scaling, bool want_scores, int score_from, bool want_last) -> Tensor[]",
         &prompt_attend);
 }

@@ -27,7 +27,7 @@ SCHEDULES = {
 def causal_mask(real: torch.Tensor) -> torch.Tensor:
     """[B, 1, n, n] boolean mask as transformers builds it for the new tokens of one call."""
     n = real.shape[1]
-    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    causal = torch.ones(n, n, dtype=torch.bool, device=real.device).tril()
     return (causal[None] & real[:, None, :])[:, None]
 
 
@@ -37,7 +37,7 @@ def run_layer(policy, q, k, v, chunks, *, real=None, mode="drop", prefill_chunk=
     settings = Settings(policy, mode, prefill_chunk, compile_kernel=native)
     layer = (PooledKVLayer if policy.head_pooled else KVLayer)(settings, 0)
     batch, total = q.shape[0], q.shape[2]
-    real = torch.ones(batch, total, dtype=torch.bool) if real is None else real
+    real = torch.ones(batch, total, dtype=torch.bool, device=q.device) if real is None else real
     outs, start = [], 0
     for size in chunks:
         stop = start + size

@@ -10,15 +10,15 @@ import os
 
 import pytest
 import torch
+from test_eviction import POLICIES as LAYER_POLICIES
+from test_eviction import SCHEDULES, kept_positions, random_qkv, run_layer
+from test_models_tiny import BIG, SMALL, decode
 
 import h2o_kv
 from h2o_kv.engine import Engine
 
 from conftest import make_model, make_tokenizer, random_ids
 from reference import reference_layer
-from test_eviction import POLICIES as LAYER_POLICIES
-from test_eviction import SCHEDULES, kept_positions, random_qkv, run_layer
-from test_models_tiny import BIG, SMALL, decode
 
 DEVICE = torch.device(os.environ.get("H2O_KV_TEST_DEVICE", "cuda"))
 pytestmark = pytest.mark.skipif(

@@ -4,7 +4,7 @@
 # a model with SmolLM2-135M's shapes and random weights (the bundled GGUF is larger than what travels; timings
 # do not depend on the weights' values). Needs, carried beside the tree (ignored): .whl/ (transformers 5.23.0,
 # gguf 0.19.0 wheels), .gpu/smollm2-shape/ (SmolLM2's config and tokenizer, no weights) and .gpu/cache/data/
-# shakespeare/ (the bench's text).
+# shakespeare/ (the bench's text). Writes 8 files to $OUT (the device tool's limit).
 set -o pipefail
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -23,8 +23,10 @@ tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained("/tmp/smol")).
 print("random-weight SmolLM2-135M shape saved")
 PY
 for dtype in bfloat16 float32; do
-  timeout ${BENCH_TIMEOUT:-150} python3 -m h2o_kv.bench --model /tmp/smol --device cuda --dtype $dtype --prompt-lens 4096 \
+  profile=$([ $dtype = bfloat16 ] && echo --profile)
+  timeout ${BENCH_TIMEOUT:-150} python3 -m h2o_kv.bench $profile --model /tmp/smol --device cuda --dtype $dtype --prompt-lens 4096 \
     --batch-sizes 4 --gen-len 32 --repeats 3 --policies static-sdpa,full-sdpa,h2o,h2o-int8 --interleave --no-progress \
     --out /tmp/bench-$dtype 2>&1 | tee "$OUT/bench-$dtype.txt" | tail -30
-  cp /tmp/bench-$dtype/bench.csv "$OUT/bench-$dtype.csv"; cp /tmp/bench-$dtype/bench.json "$OUT/bench-$dtype.json"
+  cp /tmp/bench-$dtype/bench.csv "$OUT/bench-$dtype.csv"
 done
+cp /tmp/bench-bfloat16/profile_*.txt "$OUT/"  # an H2O prefill and decode step's op tables

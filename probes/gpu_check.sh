@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One lent-GPU session's checks, run by the device tool from the repository root (see probes/gpu_check.md):
+# One lent-GPU session's checks, run by the device tool from the repository root (results/gpu/README.md):
 # the CUDA tests (tests/test_cuda.py), then `h2o-kv bench` at 4096 tokens x batch 4 in bfloat16 and float32 on
 # a model with SmolLM2-135M's shapes and random weights (the bundled GGUF is larger than what travels; timings
 # do not depend on the weights' values). Needs, carried beside the tree (ignored): .whl/ (transformers 5.23.0,

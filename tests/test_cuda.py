@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_eviction import POLICIES as LAYER_POLICIES
 from test_eviction import SCHEDULES, kept_positions, random_qkv, run_layer
-from test_models_tiny import BIG, SMALL, decode
+from test_models_tiny import BIG, SMALL, check_left_padded_batch, decode
 from test_quantized import TOLERANCE as INT8_TOLERANCE
 
 import h2o_kv
@@ -72,19 +72,7 @@ def test_evicting_cache_equals_the_cpu_run(arch, policy, kv_dtype):
 
 @pytest.mark.parametrize("policy", [*SMALL, h2o_kv.Full()], ids=lambda p: p.describe())
 def test_left_padded_batch_equals_single_runs(policy):
-    model = on_device("llama")
-    long, short = random_ids(1, 24, seed=2).to(DEVICE), random_ids(1, 15, seed=3).to(DEVICE)
-    batch = torch.cat([long, torch.cat([torch.zeros(1, 9, dtype=torch.long, device=DEVICE), short], 1)])
-    mask = torch.ones_like(batch)
-    mask[1, :9] = 0
-    kw = dict(max_new_tokens=12, do_sample=False, output_scores=True, return_dict_in_generate=True)
-    with torch.no_grad():
-        both = model.generate(batch, attention_mask=mask, past_key_values=h2o_kv.KVCache(policy), **kw)
-        alone = [model.generate(x, past_key_values=h2o_kv.KVCache(policy), **kw) for x in (long, short)]
-    for row, single in enumerate(alone):
-        assert torch.equal(both.sequences[row, -12:], single.sequences[0, -12:])
-        for step_b, step_s in zip(both.scores, single.scores):
-            torch.testing.assert_close(step_b[row], step_s[0], atol=1e-4, rtol=1e-4)
+    check_left_padded_batch(on_device("llama"), policy, atol=1e-4)
 
 
 def test_bfloat16_cache_gives_the_stock_logits_in_half_the_kv_bytes():

@@ -78,9 +78,14 @@ def test_one_chunk_prefill_is_unmasked_then_evicted(arch):
 
 @pytest.mark.parametrize("policy", [*SMALL, h2o_kv.Full()], ids=lambda p: p.describe())
 def test_left_padded_batch_equals_single_runs(arch, policy):
-    model = make_model(arch)
-    long, short = random_ids(1, 24, seed=2), random_ids(1, 15, seed=3)
-    batch = torch.cat([long, torch.cat([torch.zeros(1, 9, dtype=torch.long), short], 1)])
+    check_left_padded_batch(make_model(arch), policy)
+
+
+def check_left_padded_batch(model, policy, atol: float = 5e-5) -> None:
+    """A batch of a long and a left-padded short prompt generates what each does alone (on the model's device)."""
+    device = model.device
+    long, short = random_ids(1, 24, seed=2).to(device), random_ids(1, 15, seed=3).to(device)
+    batch = torch.cat([long, torch.cat([torch.zeros(1, 9, dtype=torch.long, device=device), short], 1)])
     mask = torch.ones_like(batch)
     mask[1, :9] = 0
     kw = dict(max_new_tokens=12, do_sample=False, output_scores=True, return_dict_in_generate=True)
@@ -90,7 +95,7 @@ def test_left_padded_batch_equals_single_runs(arch, policy):
     for row, single in enumerate(alone):
         assert torch.equal(both.sequences[row, -12:], single.sequences[0, -12:])
         for step_b, step_s in zip(both.scores, single.scores):
-            torch.testing.assert_close(step_b[row], step_s[0], atol=5e-5, rtol=1e-4)
+            torch.testing.assert_close(step_b[row], step_s[0], atol=atol, rtol=1e-4)
 
 
 def test_kept_never_exceeds_capacity_and_memory_stays_flat():

@@ -110,11 +110,15 @@ def headers_flag(headers: list[Path]) -> str:
 
 def flags() -> list[str]:
     """-O3 for this CPU, torch's OpenMP threads, and torch's vector classes at the width the CPU has."""
-    options = ["-O3", "-march=native", "-fopenmp"]
-    capability = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2", "DEFAULT", ...
+    return ["-O3", "-march=native", "-fopenmp", *vector_defines(torch.backends.cpu.get_cpu_capability())]
+
+
+def vector_defines(capability: str) -> list[str]:
+    """The defines selecting torch's vector classes for `capability` ("AVX512", "AVX2"; others: none, the
+    headers' default width)."""
     if capability in ("AVX512", "AVX2"):
-        options += [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
-    return options
+        return [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
+    return []
 
 
 def attend_one(

@@ -31,7 +31,7 @@ def _command(capability: str, source) -> list[str]:
     from torch.utils.cpp_extension import include_paths
 
     includes = [arg for path in [*include_paths(), sysconfig.get_paths()["include"]] for arg in ("-isystem", path)]
-    defines = [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}", "-DTORCH_API_INCLUDE_EXTENSION_H"]
+    defines = [*native.vector_defines(capability), "-DTORCH_API_INCLUDE_EXTENSION_H"]
     return [COMPILER, "-fsyntax-only", "-std=c++17", "-fopenmp", ARCH[capability], *defines, *includes, str(source)]
 
 
@@ -41,5 +41,5 @@ def test_the_kernels_compile_at_the_width_this_machine_does_not_build():
     jobs = {source.name: subprocess.Popen(_command(other, source), stderr=subprocess.PIPE, text=True)
             for source in native.SOURCES}  # fmt: skip
     errors = {name: job.communicate(timeout=300)[1] for name, job in jobs.items()}
-    failed = {name: err[:2000] for name, job in jobs.items() if job.returncode != 0 for err in [errors[name]]}
+    failed = {name: errors[name][:2000] for name, job in jobs.items() if job.returncode}
     assert not failed, f"{other} build of {sorted(failed)}:\n" + "\n".join(failed.values())

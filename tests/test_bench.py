@@ -53,8 +53,12 @@ def run() -> tuple[torch.nn.Module, list[dict]]:
             threads=[1],
             progress=False,
             text=TEXT,
+            read_bytes=READ_BYTES,
         )
     return model, rows
+
+
+READ_BYTES = 1 << 20  # the floor's reads: small, for speed (the bench reads 512 MB)
 
 
 def sweep(rows: list[dict]) -> list[dict]:
@@ -152,6 +156,8 @@ def test_bars_are_reported(run):
     floor = bars["H2O decode step within 1.5x of the bandwidth floor"]["detail"]
     assert f"last step {h2o['step_ms_last']:.1f} ms" in floor  # the bar's step, with the run's median beside it
     assert f"the median step {statistics.median(h2o['step_ms']):.1f} ms" in floor
+    assert f"({h2o['bandwidth_gb_s']:.1f} GB/s, the median read in turn)" in floor
+    assert h2o["bandwidth_best_gb_s"] >= h2o["bandwidth_gb_s"] and "against the best read" in floor
 
 
 def test_write_results(run, tmp_path):
@@ -223,6 +229,29 @@ def test_roofline_is_weights_plus_kept_kv_over_bandwidth():
     assert rows[0]["roofline_ms"] == pytest.approx(2.0)  # (3 MB + 1 MB) / 2 GB/s
     assert rows[0]["roofline_frac"] == pytest.approx(0.5)
     assert rows[1]["roofline_ms"] == pytest.approx(1.5) and rows[1]["roofline_frac"] is None
+    assert "roofline_best_ms" not in rows[0]
+    add_roofline(rows, weight_bytes=3_000_000, bandwidth=2e9, best=4e9)
+    assert rows[0]["roofline_best_ms"] == pytest.approx(1.0) and rows[0]["bandwidth_best_gb_s"] == 4.0
+
+
+def test_the_floor_is_read_in_turn_with_the_timed_steps():
+    """One read after each round of the timed runs' decode steps (none in the warm-up run), at the reads' own
+    thread count; the rates are the median and the best of them, and each count starts afresh."""
+    from h2o_kv.bench.timing import Reads
+
+    model = make_model("llama")
+    ids = torch.randint(3, VOCAB, (2, 30), generator=torch.Generator().manual_seed(1))
+    with one_thread():
+        reads = Reads(torch.device("cpu"), threads=2, nbytes=READ_BYTES)
+        seen = []
+        reads.data.sum = lambda: seen.append(torch.get_num_threads())  # what each read ran at
+        rows = bench.bench_together(model, ids, ["h2o", bench.STATIC], budget=6, gen_len=5, repeats=2, warmup=1,
+                                    read=reads)  # fmt: skip
+        assert torch.get_num_threads() == 1  # put back after each read
+    assert seen == [2] * 10 and len(reads.seconds) == 10  # 2 timed runs x 5 rounds of steps
+    seconds = list(reads.seconds)
+    assert reads.rates() == (READ_BYTES / statistics.median(seconds), READ_BYTES / min(seconds))
+    assert reads.seconds == [] and len(rows) == 2
 
 
 def test_ratios_against_both_stock_baselines(run):
@@ -311,7 +340,7 @@ def test_interleaved_bench_has_the_same_accounting(run):
     with one_thread():
         together = bench.run_bench(model, CharTokenizer(), budget=BUDGET, prompt_lens=[max(PROMPT_LENS)], gen_len=GEN,
                                    batch_sizes=[max(BATCHES)], threads=[1], progress=False, interleave=True,
-                                   text=TEXT)  # fmt: skip
+                                   text=TEXT, read_bytes=READ_BYTES)  # fmt: skip
     size = (max(PROMPT_LENS), max(BATCHES))
     alone = {(r["section"], r["policy"]): r for r in rows if (r["prompt_len"], r["batch"]) == size}
     same_alone = {r["policy"]: r for r in rows if r["section"] == "same_memory"}
@@ -332,7 +361,7 @@ def test_same_memory_runs_int8_storage_at_a_bigger_batch():
     with one_thread():
         rows = bench.run_bench(make_model("llama"), CharTokenizer(), policies=["static-sdpa", "h2o", "h2o-int8"],
                                budget=BUDGET, prompt_lens=[80], gen_len=GEN, batch_sizes=[2], threads=[1],
-                               progress=False, text=TEXT)  # fmt: skip
+                               progress=False, text=TEXT, read_bytes=READ_BYTES)  # fmt: skip
     same = {r["policy"]: r for r in rows if r["section"] == "same_memory"}
     assert set(same) == {"static-sdpa", "h2o", "h2o-int8"}
     assert same["static-sdpa"]["batch"] < same["h2o"]["batch"] < same["h2o-int8"]["batch"]

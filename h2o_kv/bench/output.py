@@ -18,7 +18,7 @@ SWEEP_COLUMNS = (
     "kv_bytes_ratio cache_bytes_ratio".split()
     + _VS
     + "seen_tokens kept_tokens peak_mem_bytes peak_mem_delta_bytes mem_kind roofline_ms roofline_frac "
-    "bandwidth_gb_s".split()
+    "bandwidth_gb_s bandwidth_best_gb_s roofline_best_ms".split()
 )
 SAME_MEMORY_COLUMNS = (
     "policy policy_desc prompt_len gen_len batch threads dtype cap_bytes kv_bytes_per_seq kv_bytes decode_s "

@@ -25,7 +25,7 @@ from .config import (
     policy_for,
 )
 from .memory import PeakMemory, kept_and_seen, kv_bytes
-from .timing import bench_together, decode_in_turn, measure_bandwidth, prefill, warm_up
+from .timing import Reads, bench_together, decode_in_turn, prefill, warm_up
 
 RATIO_KEYS = ("decode_tok_s", "prefill_s", "kv_bytes")  # each reported as <key>_vs_dynamic and <key>_vs_static
 
@@ -64,12 +64,14 @@ def run_bench(
     progress: bool = True,
     text: str | None = None,
     interleave: bool = False,
+    read_bytes: int = 1 << 29,
 ) -> list[Row]:
     """Benchmark rows: one per (threads, prompt length, batch, policy), section "sweep", then the
     "same_memory" rows (at the first thread count). `threads` None (or 0) is torch's default count.
     `prefill_chunk` is passed to h2o-kv's caches; `text` replaces the prompt text (default `load_text()`).
     `interleave` runs the policies of each (threads, prompt length, batch) together, their decode steps in
     turn (`bench_together`), so their ratios do not depend on the machine drifting between configurations.
+    The floor's rate is the median of `read_bytes` reads, one after each round of decode steps (`timing.Reads`).
     The model's attention implementation and torch's thread count are restored afterwards.
     """
     check_run(policies, budget, prompt_lens, gen_len, batch_sizes, repeats, warmup, threads)
@@ -86,6 +88,7 @@ def run_bench(
     bar = tqdm(configs, desc="bench", disable=not progress, dynamic_ncols=True)
     rows: list[Row] = []
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    reads = Reads(device, threads[0], read_bytes)  # the floor's rate, at the first count, in turn with the steps
     try:
         with torch.inference_mode():
             for count, prompt_len, batch, names in bar:
@@ -95,11 +98,12 @@ def run_bench(
                     warm_up(model, prompt_ids(token_ids, min(prompt_lens), 1).to(device), policies, budget)
                 label = ",".join(names)
                 bar.set_postfix_str(f"{label} prompt={prompt_len} batch={batch} threads={torch.get_num_threads()}")
-                added = bench_together(model, prompt_ids(token_ids, prompt_len, batch).to(device), names, **run)
-                torch.set_num_threads(threads[0])  # the machine's bandwidth, right after these rows' decode steps
-                add_roofline(added, weight_bytes, measure_bandwidth(device))
+                ids = prompt_ids(token_ids, prompt_len, batch).to(device)
+                added = bench_together(model, ids, names, **run, read=reads)
+                add_roofline(added, weight_bytes, *reads.rates())
                 rows += added
-            add_ratios(rows)  # the threads are at the first count again (set for each bandwidth reading)
+            torch.set_num_threads(threads[0])
+            add_ratios(rows)
             bar.set_postfix_str("same memory, bigger batch")
             first = [r for r in rows if r["threads"] == torch.get_num_threads()]
             rows += same_memory(model, token_ids, first, cap_gb=memory_cap_gb, device=device, interleave=interleave)
@@ -126,18 +130,21 @@ def add_ratios(rows: list[Row]) -> None:
         row["cache_bytes_ratio"] = row["cache_bytes"] / full["kv_bytes"] if full else None
 
 
-def add_roofline(rows: list[Row], weight_bytes: int, bandwidth: float) -> None:
+def add_roofline(rows: list[Row], weight_bytes: int, bandwidth: float, best: float | None = None) -> None:
     """Memory-bound floor of a decoding step: read every weight and the kept KV once.
 
-    `roofline_ms` is that floor at the end of the run, at the `bandwidth` (bytes/s) measured right after the rows'
-    decode steps (the VM's bandwidth drifts by a fifth over a run); `roofline_frac` is how close the last measured
-    step came to it (1.0 = at the memory-bandwidth limit).
+    `roofline_ms` is that floor at the end of the run at `bandwidth` (bytes/s: the median of the plain reads timed
+    in turn with the rows' decode steps, `timing.Reads`); `roofline_frac` is how close the last measured step
+    came to it (1.0 = at the memory-bandwidth limit); `roofline_best_ms` is the floor at the `best` read.
     """
     for row in rows:
         floor_s = (weight_bytes + row["kv_bytes"]) / bandwidth
         row["roofline_ms"] = 1000 * floor_s
         row["bandwidth_gb_s"] = bandwidth / 1e9
         row["roofline_frac"] = row["roofline_ms"] / row["step_ms_last"] if row.get("step_ms_last") else None
+        if best is not None:
+            row["bandwidth_best_gb_s"] = best / 1e9
+            row["roofline_best_ms"] = 1000 * (weight_bytes + row["kv_bytes"]) / best
 
 
 def same_memory(
@@ -148,6 +155,7 @@ def same_memory(
     cap_gb: float | None,
     device: torch.device,
     interleave: bool = False,
+    read_bytes: int = 1 << 29,
 ) -> list[Row]:
     """Largest batch whose KV fits the cap, for each stock baseline and for H2O (float32 and int8 KV, when
     swept), and decode throughput there.

@@ -37,10 +37,13 @@ def decode_steps(model: torch.nn.Module, cache: Cache, token: torch.Tensor, star
     return decode_in_turn(model, {"": [cache, token]}, start, steps)[""]
 
 
-def decode_in_turn(model: torch.nn.Module, live: dict[str, list], start: int, steps: int) -> dict[str, list[float]]:
+def decode_in_turn(
+    model: torch.nn.Module, live: dict[str, list], start: int, steps: int, read: Reads | None = None
+) -> dict[str, list[float]]:
     """Greedy steps of several caches in turn, one step each, so that a machine speeding up or slowing
     down hits them alike: `live` maps a bench name to [cache, previous token [B]] (updated); returns each
-    name's seconds per step. The attention path is switched between names outside the timed region."""
+    name's seconds per step. The attention path is switched between names outside the timed region.
+    `read` (the bandwidth floor's reads) takes its turn after each round of steps."""
     seconds: dict[str, list[float]] = {name: [] for name in live}  # one cache: on the path the model is on
     for step in range(steps):
         for name, state in live.items():
@@ -51,6 +54,8 @@ def decode_in_turn(model: torch.nn.Module, live: dict[str, list], start: int, st
             state[1] = decode_step(model, state[0], state[1], position).argmax(-1)
             sync(state[1].device)
             seconds[name].append(time.perf_counter() - begin)
+        if read is not None:
+            read()
     return seconds
 
 
@@ -69,8 +74,10 @@ def bench_together(
     repeats: int,
     warmup: int,
     prefill_chunk: int | None = None,
+    read: Reads | None = None,
 ) -> list[Row]:
-    """One sweep row per name: medians over `repeats` timed runs (after `warmup` untimed ones).
+    """One sweep row per name: medians over `repeats` timed runs (after `warmup` untimed ones); `read` takes
+    its turn after each round of the timed runs' decode steps.
 
     With several names a run prefills every cache, then decodes them in turn (`decode_in_turn`): the
     step-time ratios between them are then immune to the machine's drift, and all caches are held at
@@ -90,7 +97,7 @@ def bench_together(
             peak[name] = memory.stop() if len(names) > 1 else None
             if run >= warmup:
                 record[name]["prefill_s"].append(seconds)
-        steps = decode_in_turn(model, live, prompt_len, gen_len)
+        steps = decode_in_turn(model, live, prompt_len, gen_len, read if run >= warmup else None)
         for name, (cache, _) in live.items():
             record[name]["sizes"] = kv_bytes(cache), kept_and_seen(cache, prompt_len + gen_len)
             if run >= warmup:
@@ -140,17 +147,36 @@ def warm_up(
         decode_steps(model, cache, prefill(model, cache, input_ids)[0], prompt_len, 2)
 
 
-def measure_bandwidth(device: torch.device, nbytes: int = 1 << 29, repeats: int = 5) -> float:
-    """Bytes per second this device reads a large float tensor with (the best of `repeats` sums). The tensor is
-    random: a tensor of ones is the same page over and over, which a VM's host may merge into one physical
-    page (kernel same-page merging), and then its sum reads the core's cache (56-65 GB/s in two runs on the
-    2-core VM, against 27-35 for distinct pages)."""
-    data = torch.rand(nbytes // 4, dtype=torch.float32, device=device)
-    best = float("inf")
-    for _ in range(repeats):
-        sync(device)
+class Reads:
+    """The rate at which this device reads a large float tensor (the bandwidth floor's bytes per second), timed in
+    turn with the decode steps it is compared with: one sum of `nbytes` per call, on `threads` torch threads.
+
+    The VM this project benchmarks on reads 17-29 GB/s from one half hour to the next, and a step and a read a
+    minute apart see different machines; a read after every round of steps sees the same one, and its median
+    is the same statistic as the steps'. The tensor is random: a tensor of ones is the same page over and over,
+    which a VM's host may merge into one physical page (kernel same-page merging), and then its sum reads the
+    core's cache (56-65 GB/s in two runs on the 2-core VM, against 27-35 for distinct pages)."""
+
+    def __init__(self, device: torch.device, threads: int, nbytes: int = 1 << 29) -> None:
+        self.data = torch.rand(nbytes // 4, dtype=torch.float32, device=device)
+        self.threads, self.nbytes, self.seconds = threads, nbytes, []
+
+    def __call__(self) -> None:
+        count = torch.get_num_threads()
+        if count != self.threads:
+            torch.set_num_threads(self.threads)
+        sync(self.data.device)
         start = time.perf_counter()
-        data.sum()
-        sync(device)
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best
+        self.data.sum()
+        sync(self.data.device)
+        self.seconds.append(time.perf_counter() - start)
+        if count != self.threads:
+            torch.set_num_threads(count)
+
+    def rates(self) -> tuple[float, float]:
+        """(median, best) bytes per second over the reads since the last call; starts the next count."""
+        if not self.seconds:
+            self()
+        median, best = statistics.median(self.seconds), min(self.seconds)
+        self.seconds = []
+        return self.nbytes / median, self.nbytes / best

@@ -138,13 +138,13 @@ def add_roofline(rows: list[Row], weight_bytes: int, bandwidth: float, best: flo
     came to it (1.0 = at the memory-bandwidth limit); `roofline_best_ms` is the floor at the `best` read.
     """
     for row in rows:
-        floor_s = (weight_bytes + row["kv_bytes"]) / bandwidth
-        row["roofline_ms"] = 1000 * floor_s
+        nbytes = weight_bytes + row["kv_bytes"]
+        row["roofline_ms"] = 1000 * nbytes / bandwidth
         row["bandwidth_gb_s"] = bandwidth / 1e9
         row["roofline_frac"] = row["roofline_ms"] / row["step_ms_last"] if row.get("step_ms_last") else None
         if best is not None:
             row["bandwidth_best_gb_s"] = best / 1e9
-            row["roofline_best_ms"] = 1000 * (weight_bytes + row["kv_bytes"]) / best
+            row["roofline_best_ms"] = 1000 * nbytes / best
 
 
 def same_memory(
@@ -155,7 +155,6 @@ def same_memory(
     cap_gb: float | None,
     device: torch.device,
     interleave: bool = False,
-    read_bytes: int = 1 << 29,
 ) -> list[Row]:
     """Largest batch whose KV fits the cap, for each stock baseline and for H2O (float32 and int8 KV, when
     swept), and decode throughput there.

@@ -21,7 +21,6 @@
 #include "kernels.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -341,16 +340,12 @@ std::vector<at::Tensor> decode_step(const at::Tensor& q, const at::Tensor& keys,
   int64_t* vp = victims.data_ptr<int64_t>();
   const float cap = static_cast<float>(softcap);
   auto run = [&](auto* kp, auto* valp, const auto* nkp, const auto* nvp) {
-    // Rows are handed out one at a time (a thread that reads slower takes fewer; torch's static split made the
-    // other wait: 10 % of the cache step, probes/cache_step_overlap.txt); a row's numbers do not depend on which.
-    std::atomic<int64_t> next_row{0};
-    const int64_t end = B * H;
-    at::parallel_for(0, std::min<int64_t>(end, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
       thread_local std::vector<float> query, probs, weights;  // scratch, kept between calls
       query.resize(G * D);
       probs.resize(G * S);
       weights.resize(int8 ? G * S : 0);
-      for (int64_t r; (r = next_row.fetch_add(1)) < end;) {
+      for (int64_t r = begin; r < end; ++r) {
         const int64_t b = r / H, s0 = slots[r];
         for (int64_t i = 0; i < G * D; ++i) query[i] = qp[r * G * D + i] * scale;
         int64_t* rpos = pp + r * S;

@@ -175,8 +175,6 @@ class Reads:
 
     def rates(self) -> tuple[float, float]:
         """(median, best) bytes per second over the reads since the last call; starts the next count."""
-        if not self.seconds:
-            self()
         median, best = statistics.median(self.seconds), min(self.seconds)
         self.seconds = []
         return self.nbytes / median, self.nbytes / best

@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 import h2o_kv
-from h2o_kv import fused_layer
+from h2o_kv import fused_layer, native
 from h2o_kv.fused_layer import FusedLlamaDecoderLayer, use_fused_layers
 from h2o_kv.generation import forward
 from h2o_kv.native import MAX_ROWS
@@ -112,6 +112,31 @@ def test_what_the_step_cannot_take_goes_to_the_stock_layer(monkeypatch):
     with torch.no_grad():
         model(ids[:, prompt:], past_key_values=DynamicCache(config=model.config), output_attentions=True)
     assert taken == [False, False] + [False, False] + [True, False] + [False, False]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,inner", [(4, 96), (3, 45)])  # 45 x 3: the last 135 % 16 of SiLU one by one
+def test_layer_out_is_torchs_elementwise_ops_around_its_products(dtype, rows, inner):
+    """layer_out: the residual, RMSNorm, SiLU(gate) x up and the last residual as torch computes them in the dtype,
+    around the kernel's own products (native.rows_linear); in bfloat16 to the bit (rounding where torch rounds)."""
+    native.load()
+    torch.manual_seed(rows)
+    hidden, eps = 40, 1e-5
+    x, attn = torch.randn(rows, 1, hidden).to(dtype), torch.randn(rows, 1, hidden).to(dtype)
+    wo, wd = (torch.randn(hidden, n).to(dtype) / 6 for n in (hidden, inner))
+    wg, wu = (torch.randn(inner, hidden).to(dtype) * s for s in (0.8, 0.2))  # gates past |x| = 3: exp's range
+    norm = (1 + torch.randn(hidden) / 10).to(dtype)
+    got = torch.ops.h2o_kv.layer_out(x, attn, wo, None, norm, eps, wg, None, wu, None, wd, None)
+    linear = native.rows_linear
+    h = x.view(rows, hidden) + linear(attn.view(rows, hidden), wo, None)
+    hf = h.float()
+    hn = norm * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)  # LlamaRMSNorm
+    act = torch.nn.functional.silu(linear(hn, wg, None)) * linear(hn, wu, None)
+    want = h + linear(act, wd, None)
+    if dtype == torch.bfloat16:  # every step rounded as torch rounds it: the same bits
+        assert torch.equal(got.view(rows, hidden), want)
+    else:  # float32: the norm's sum in another order
+        torch.testing.assert_close(got.view(rows, hidden), want, atol=1e-5, rtol=1e-5)
 
 
 def test_the_kernel_refuses_what_it_cannot_read():

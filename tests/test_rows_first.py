@@ -51,11 +51,12 @@ def test_rows_kernel_equals_the_float_product(rows, inputs, outputs, dtype):
         torch.testing.assert_close(got, want, **tol)
 
 
-def test_rows_kernel_gives_a_row_the_same_numbers_in_any_batch():
-    """Each output is one row against one weight row in a fixed order: bit-equal alone and in batches of 2-16
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_kernel_gives_a_row_the_same_numbers_in_any_batch(dtype):
+    """Each output is one row against one weight row in a fixed order: bit-equal alone and in batches of 2-64
     (the tiles and passes differ by batch size), so batched requests get their solo tokens."""
     torch.manual_seed(0)
-    x, w = torch.randn(MAX_ROWS, 200), torch.randn(70, 200)
+    x, w = torch.randn(MAX_ROWS, 203).to(dtype), torch.randn(70, 203).to(dtype)
     solo = torch.cat([native.rows_linear(x[i : i + 1], w, None) for i in range(MAX_ROWS)])
     for rows in (2, 3, 5, 8, 9, MAX_ROWS):
         assert torch.equal(native.rows_linear(x[:rows], w, None), solo[:rows]), rows

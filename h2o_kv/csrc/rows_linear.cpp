@@ -4,9 +4,10 @@
 // A decode step multiplies a handful of rows by every weight matrix of the model, so its time is the time
 // to read the weights. MKL's products at 4 rows read them at about half the memory's speed on the 2-core
 // CPU this project benchmarks on (results/bench-static/probes/rows_linear.txt). This kernel streams each
-// weight row once: a tile of JB weight rows is loaded V lanes at a time, widened to float32 (bfloat16
-// weights), and multiplied into RB x JB float32 accumulators, one per (row, output), with the rows of x
-// (widened once, up front) coming from the core's cache. Output columns run in parallel on torch's threads.
+// weight row once: a tile of JB weight rows (float32; bfloat16 goes one row at a time, see weight_row) is loaded
+// V lanes at a time, widened to float32 (bfloat16 weights), and multiplied into RB x JB float32 accumulators, one
+// per (row, output), with the rows of x (widened once, up front) coming from the core's cache. Output columns run
+// in parallel on torch's threads.
 //
 // Each output is one row of x against one row of W summed in a fixed order, whatever the other rows are:
 // a sequence gets the same numbers alone as in any batch (the engine's solo == batched guarantee).
@@ -71,35 +72,79 @@ inline void tile(const float* x, const T* w, const T* bias, int64_t K, int64_t N
     }
 }
 
-// Outputs j0 .. j1 - 1 of RB rows: JB weight rows at a time (4 for up to 4 rows, 2 above: RB x JB
-// accumulators stay in registers), the last N % JB one by one.
+// out[r * N + j] for the RB <= 4 rows of x and the one bfloat16 weight row j, read front to back: its blocks of V
+// go in turn to two sets of RB accumulators (two multiply-adds in flight per row), added at the end. One weight
+// stream per thread instead of a tile's JB: on the AVX2 CPU the bench runs on, a 4 x 4 tile of bfloat16 weights
+// (half the bytes per multiply-add of float32) reads them 15-20 % slower (probes/bf16_rows.txt).
+template <typename T, int RB>
+inline void weight_row(const float* x, const T* w, const T* bias, int64_t K, int64_t N, int64_t j, T* out) {
+  Vec even[RB], odd[RB];
+  for (int r = 0; r < RB; ++r) even[r] = odd[r] = Vec(0.f);
+  const T* wj = w + j * K;
+  const T* ahead = w + std::min<int64_t>(j + 1, N - 1) * K;  // the next row, prefetched as we go
+  int64_t k = 0;
+  for (; k + 2 * V <= K; k += 2 * V) {
+    __builtin_prefetch(ahead + k, 0, 0);
+    const Vec w0 = load_float(wj + k), w1 = load_float(wj + k + V);
+    for (int r = 0; r < RB; ++r) {
+      even[r] = at::vec::fmadd(Vec::loadu(x + r * K + k), w0, even[r]);
+      odd[r] = at::vec::fmadd(Vec::loadu(x + r * K + k + V), w1, odd[r]);
+    }
+  }
+  if (k + V <= K) {
+    const Vec w0 = load_float(wj + k);
+    for (int r = 0; r < RB; ++r) even[r] = at::vec::fmadd(Vec::loadu(x + r * K + k), w0, even[r]);
+    k += V;
+  }
+  for (int r = 0; r < RB; ++r) {
+    float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return a + c; }, even[r] + odd[r]);
+    for (int64_t kk = k; kk < K; ++kk) sum += x[r * K + kk] * static_cast<float>(wj[kk]);
+    if (bias) sum += static_cast<float>(bias[j]);
+    out[r * N + j] = static_cast<T>(sum);
+  }
+}
+
+// Outputs j0 .. j1 - 1 of RB rows. float32: JB weight rows at a time (4 for up to 4 rows, 2 above: RB x JB
+// accumulators stay in registers), the last N % JB one by one. bfloat16 (RB <= 4): one weight row at a time.
 template <typename T, int RB>
 void columns(const float* x, const T* w, const T* bias, int64_t K, int64_t N, int64_t j0, int64_t j1, T* out) {
-  constexpr int JB = RB <= 4 ? 4 : 2;
-  int64_t j = j0;
-  for (; j + JB <= j1; j += JB) tile<T, RB, JB>(x, w, bias, K, N, j, out);
-  for (; j < j1; ++j) tile<T, RB, 1>(x, w, bias, K, N, j, out);
+  if constexpr (std::is_same_v<T, float>) {
+    constexpr int JB = RB <= 4 ? 4 : 2;
+    int64_t j = j0;
+    for (; j + JB <= j1; j += JB) tile<T, RB, JB>(x, w, bias, K, N, j, out);
+    for (; j < j1; ++j) tile<T, RB, 1>(x, w, bias, K, N, j, out);
+  } else {
+    static_assert(RB <= 4, "bfloat16 rows go 4 at a time");
+    for (int64_t j = j0; j < j1; ++j) weight_row<T, RB>(x, w, bias, K, N, j, out);
+  }
 }
 
 // Outputs j0 .. j1 - 1 of all R rows: panels of 16 weight rows, each read from memory once and multiplied
-// by the rows 8 at a time (8 x 2 accumulators); a second pass (R > 8) rereads the panel from the cache.
+// by the rows 8 at a time in float32 (8 x 2 accumulators), 4 at a time in bfloat16 (4 x 2); a second pass
+// (more rows) rereads the panel from the cache.
 template <typename T>
 void rows_columns(const float* x, const T* w, const T* bias, int64_t R, int64_t K, int64_t N, int64_t j0,
                   int64_t j1, T* out) {
+  constexpr int64_t RB = std::is_same_v<T, float> ? 8 : 4;
   for (int64_t p0 = j0; p0 < j1; p0 += 16) {
     const int64_t p1 = std::min<int64_t>(p0 + 16, j1);
-    for (int64_t r = 0; r < R; r += 8) {
+    for (int64_t r = 0; r < R; r += RB) {
       const float* xr = x + r * K;
       T* o = out + r * N;
-      switch (std::min<int64_t>(R - r, 8)) {
+      switch (std::min<int64_t>(R - r, RB)) {
         case 1: columns<T, 1>(xr, w, bias, K, N, p0, p1, o); break;
         case 2: columns<T, 2>(xr, w, bias, K, N, p0, p1, o); break;
         case 3: columns<T, 3>(xr, w, bias, K, N, p0, p1, o); break;
         case 4: columns<T, 4>(xr, w, bias, K, N, p0, p1, o); break;
-        case 5: columns<T, 5>(xr, w, bias, K, N, p0, p1, o); break;
-        case 6: columns<T, 6>(xr, w, bias, K, N, p0, p1, o); break;
-        case 7: columns<T, 7>(xr, w, bias, K, N, p0, p1, o); break;
-        default: columns<T, 8>(xr, w, bias, K, N, p0, p1, o); break;
+        default:
+          if constexpr (RB == 8) {
+            switch (R - r) {
+              case 5: columns<T, 5>(xr, w, bias, K, N, p0, p1, o); break;
+              case 6: columns<T, 6>(xr, w, bias, K, N, p0, p1, o); break;
+              case 7: columns<T, 7>(xr, w, bias, K, N, p0, p1, o); break;
+              default: columns<T, 8>(xr, w, bias, K, N, p0, p1, o); break;
+            }
+          }
       }
     }
   }
@@ -301,8 +346,19 @@ at::Tensor layer_out_impl(const at::Tensor& x, const at::Tensor& attn, double ep
       const Vec gv = Vec::loadu(g + i);
       (gv / (Vec(1.f) + gv.neg().exp()) * Vec::loadu(u + i)).store(act.data() + i);
     }
+  } else {  // 2V at a time, rounded to bfloat16 where torch's SiLU and product kernels round (after each)
+    using BVec = at::vec::Vectorized<T>;
+    for (; i + 2 * V <= R * I; i += 2 * V) {
+      auto [g0, g1] = at::vec::convert_to_float<T>(BVec::loadu(g + i));
+      auto [u0, u1] = at::vec::convert_to_float<T>(BVec::loadu(u + i));
+      auto [s0, s1] = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(
+          g0 / (Vec(1.f) + g0.neg().exp()), g1 / (Vec(1.f) + g1.neg().exp())));
+      auto [a0, a1] = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(s0 * u0, s1 * u1));
+      a0.store(act.data() + i);
+      a1.store(act.data() + i + V);
+    }
   }
-  for (; i < R * I; ++i) {  // bfloat16 (rounded where the model's operations round) and the last R * I % V
+  for (; i < R * I; ++i) {  // the last R * I % V (2V in bfloat16), rounded where the model's operations round
     const float gi = static_cast<float>(g[i]);
     act[i] = round_to<T>(round_to<T>(gi / (1.f + std::exp(-gi))) * static_cast<float>(u[i]));
   }

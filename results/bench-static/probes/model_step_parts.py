@@ -1,6 +1,6 @@
 """Where a rows-first H2O decode step goes once the whole model's step is one C++ call (fused_model.py): SmolLM2-135M,
-batch 4 after an argv[1]-token prompt (default 512), H2O at 20 %, float32, torch's default threads, argv[2] steps
-(default 100). The kernels are built a second time with timers around their parallel regions (the products' and
+batch 4 after an argv[1]-token prompt (default 512), H2O at 20 %, in argv[3]'s dtype (default float32), torch's
+default threads, argv[2] steps (default 100). The kernels are built a second time with timers around their parallel regions (the products' and
 the cache step's) and around `model_step` and each layer's `decode_step` (text inserted into a copy of `csrc/`,
 registered as `torch.ops.h2o_kv_parts`), and the Python around the call is timed by wrapping its functions.
 Medians per step, in ms: the step, `model_step` split into the products' regions, the cache step's region, the
@@ -25,6 +25,7 @@ from h2o_kv.models import load_model
 
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 512
 steps = int(sys.argv[2]) if len(sys.argv) > 2 else 100
+dtype = sys.argv[3] if len(sys.argv) > 3 else "float32"
 CLOCK = "std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count()"
 
 
@@ -106,7 +107,7 @@ def model_step(hidden, cos, sin, weights, biases, eps, scaling, head_dim, caches
     return out[0], out[1:]
 
 
-model = load_model("smollm2-135m", rows_first=True)[0]
+model = load_model("smollm2-135m", dtype=dtype, rows_first=True)[0]
 fused_model.native.model_step = wrapped("model_step", model_step)
 cache_module.KVCache.steady_plans = wrapped("steady_plans", cache_module.KVCache.steady_plans)
 fused_model.FusedLlamaModel.forward = wrapped("model", fused_model.FusedLlamaModel.forward)
@@ -130,6 +131,6 @@ with torch.inference_mode():
                          lm_head=python["lm_head"], bookkeeping=python["steady_plans"],
                          model_python=python["model"] - python["model_step"] - python["steady_plans"],
                          outside=step - python["model"] - python["lm_head"]))  # fmt: skip
-print(f"# {n}-token prompt, batch 4, H2O 20 %, float32, {torch.get_num_threads()} threads, {steps} steps: medians, ms")
+print(f"# {n}-token prompt, batch 4, H2O 20 %, {dtype}, {torch.get_num_threads()} threads, {steps} steps: medians, ms")
 for key in rows[0]:
     print(f"{key:14s} {1e3 * statistics.median(r[key] for r in rows):6.2f}")

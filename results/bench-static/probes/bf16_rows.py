@@ -51,7 +51,8 @@ void tile(const float* x, const T* w, int64_t K, int64_t N, int64_t j0, T* out) 
   }
   for (int r = 0; r < 4; ++r)
     for (int b = 0; b < JB; ++b)
-      out[r * N + j0 + b] = static_cast<T>(at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return a + c; }, acc[r][b]));
+      out[r * N + j0 + b] = static_cast<T>(at::vec::vec_reduce_all<float>(
+          [](Vec& a, Vec& c) { return a + c; }, acc[r][b]));
 }
 
 template <typename T>
@@ -70,7 +71,8 @@ void weight_row(const float* x, const T* w, int64_t K, int64_t N, int64_t j, T* 
     }
   }
   for (int r = 0; r < 4; ++r)
-    out[r * N + j] = static_cast<T>(at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return a + c; }, even[r] + odd[r]));
+    out[r * N + j] = static_cast<T>(at::vec::vec_reduce_all<float>(
+        [](Vec& a, Vec& c) { return a + c; }, even[r] + odd[r]));
 }
 
 template <typename T>
@@ -85,8 +87,10 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& w, int64_t way) {
       const int64_t n = (j1 - j0) * K * static_cast<int64_t>(sizeof(T)) / 32;
       __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
       for (int64_t i = 0; i + 4 <= n; i += 4) {
-        a0 = _mm256_add_epi32(a0, _mm256_loadu_si256(p + i)); a1 = _mm256_add_epi32(a1, _mm256_loadu_si256(p + i + 1));
-        a2 = _mm256_add_epi32(a2, _mm256_loadu_si256(p + i + 2)); a3 = _mm256_add_epi32(a3, _mm256_loadu_si256(p + i + 3));
+        a0 = _mm256_add_epi32(a0, _mm256_loadu_si256(p + i));
+        a1 = _mm256_add_epi32(a1, _mm256_loadu_si256(p + i + 1));
+        a2 = _mm256_add_epi32(a2, _mm256_loadu_si256(p + i + 2));
+        a3 = _mm256_add_epi32(a3, _mm256_loadu_si256(p + i + 3));
       }
       a0 = _mm256_add_epi32(_mm256_add_epi32(a0, a1), _mm256_add_epi32(a2, a3));
       o[j0] = static_cast<T>(static_cast<float>(_mm256_extract_epi32(a0, 0)));
@@ -141,4 +145,5 @@ for name, t in times.items():
     median = statistics.median(t)
     fmas = 4 * nbytes / w.element_size() / 8 / median  # 4 rows, 8 float32 lanes (AVX2); the sum has none
     rate = "" if name == "plain sum" else f", {fmas / 1e9:4.1f} G vector multiply-adds/s"
-    print(f"{name:12s} median {median * 1e3:6.2f} ms ({nbytes / median / 1e9:4.1f} GB/s{rate}), best {min(t) * 1e3:6.2f} ms")
+    rate = f"{nbytes / median / 1e9:4.1f} GB/s{rate}"
+    print(f"{name:12s} median {median * 1e3:6.2f} ms ({rate}), best {min(t) * 1e3:6.2f} ms")

@@ -1,7 +1,7 @@
 """Where a rows-first H2O decode step goes once the whole model's step is one C++ call (fused_model.py): SmolLM2-135M,
 batch 4 after an argv[1]-token prompt (default 512), H2O at 20 %, in argv[3]'s dtype (default float32), torch's
-default threads, argv[2] steps (default 100). The kernels are built a second time with timers around their parallel regions (the products' and
-the cache step's) and around `model_step` and each layer's `decode_step` (text inserted into a copy of `csrc/`,
+default threads, argv[2] steps (default 100). The kernels are built a second time with timers around their parallel
+regions (the products' and the cache step's) and around `model_step` and each layer's `decode_step` (text inserted into a copy of `csrc/`,
 registered as `torch.ops.h2o_kv_parts`), and the Python around the call is timed by wrapping its functions.
 Medians per step, in ms: the step, `model_step` split into the products' regions, the cache step's region, the
 decode_step calls' serial part and the rest of the call's serial work (norms, rotary, SiLU, residuals, tensors

@@ -124,7 +124,7 @@ def test_layer_out_is_torchs_elementwise_ops_around_its_products(dtype, rows, in
     hidden, eps = 40, 1e-5
     x, attn = torch.randn(rows, 1, hidden).to(dtype), torch.randn(rows, 1, hidden).to(dtype)
     wo, wd = (torch.randn(hidden, n).to(dtype) / 6 for n in (hidden, inner))
-    wg, wu = (torch.randn(inner, hidden).to(dtype) * s for s in (0.8, 0.2))  # gates past |x| = 3: exp's range
+    wg, wu = (torch.randn(inner, hidden).to(dtype) * s for s in (0.8, 0.2))  # gates of a few units either side of 0
     norm = (1 + torch.randn(hidden) / 10).to(dtype)
     got = torch.ops.h2o_kv.layer_out(x, attn, wo, None, norm, eps, wg, None, wu, None, wd, None)
     linear = native.rows_linear

@@ -73,9 +73,10 @@ inline void tile(const float* x, const T* w, const T* bias, int64_t K, int64_t N
 }
 
 // out[r * N + j] for the RB <= 4 rows of x and the one bfloat16 weight row j, read front to back: its blocks of V
-// go in turn to two sets of RB accumulators (two multiply-adds in flight per row), added at the end. One weight
-// stream per thread instead of a tile's JB: on the AVX2 CPU the bench runs on, a 4 x 4 tile of bfloat16 weights
-// (half the bytes per multiply-add of float32) reads them 15-20 % slower (probes/bf16_rows.txt).
+// go in turn to two sets of RB accumulators (two multiply-adds in flight per row), added at the end. bfloat16's
+// products are bound by their work, not their reads (half float32's bytes per multiply-add, and the widening): on
+// the AVX2 CPU the bench runs on, this shape multiplies 20-35 % faster than a 4 x 4 tile with its operands in cache
+// (results/bench-static/probes/tile_shapes.txt) and 2-8 % faster from memory (probes/bf16_rows.txt).
 template <typename T, int RB>
 inline void weight_row(const float* x, const T* w, const T* bias, int64_t K, int64_t N, int64_t j, T* out) {
   Vec even[RB], odd[RB];

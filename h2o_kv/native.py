@@ -289,14 +289,17 @@ def model_step(
     head_dim: int,
     caches: list,
     steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    *,
+    ops=None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """A Llama model's steady decode step (fused_model.py) in one call: per layer `layer_in` (9 `weights`: input
     norm, q, k, v, o, post-attention norm, gate, up, down; 7 `biases`: q, k, v, o, gate, up, down; 2 `eps`: the
     norms'), `decode_step` on `caches[i]` (a `KVLayer`, in place) with `steps[i]` (its `begin_steady`: slots,
     positions, recent) and `scaling[i]`, then `layer_out`. hidden [B, 1, K] and cos, sin [B or 1, 1, head_dim] as the
-    decoder layers take them. Returns the last layer's output (before the final norm) and each layer's freed slots."""
+    decoder layers take them. Returns the last layer's output (before the final norm) and each layer's freed slots.
+    `ops`: the op namespace to call, `torch.ops.h2o_kv` unless given (probes build other versions under their own)."""
     load()
-    out = torch.ops.h2o_kv.model_step(
+    out = (ops or torch.ops.h2o_kv).model_step(
         hidden, cos.contiguous(), sin.contiguous(), weights, biases, eps, scaling, head_dim,
         [c.keys for c in caches], [c.values for c in caches], [c.key_scale for c in caches],
         [c.value_scale for c in caches], [c.pos for c in caches], [c.score for c in caches],

@@ -39,22 +39,10 @@ for i, rev in enumerate(revs):
     load(name=f"h2o_kv_ab{i}_{abs(hash(rev)) % 10**8}", sources=paths, extra_cflags=native.flags(),
          is_python_module=False)  # fmt: skip
     libs.append(getattr(torch.ops, f"h2o_kv_ab{i}"))
-turn = [0]
-
-
-def model_step(hidden, cos, sin, weights, biases, eps, scaling, head_dim, caches, steps):
-    """native.model_step on the revision whose turn it is."""
-    out = libs[turn[0]].model_step(
-        hidden, cos.contiguous(), sin.contiguous(), weights, biases, eps, scaling, head_dim,
-        [c.keys for c in caches], [c.values for c in caches], [c.key_scale for c in caches],
-        [c.value_scale for c in caches], [c.pos for c in caches], [c.score for c in caches], [c.last for c in caches],
-        [s[0] for s in steps], [s[1] for s in steps], [s[2] for s in steps], [c.capacity for c in caches],
-    )  # fmt: skip
-    return out[0], out[1:]
-
-
+turn = [0]  # the revision whose turn it is
+step_of_tree = native.model_step
 native.load()
-native.model_step = model_step
+native.model_step = lambda *args: step_of_tree(*args, ops=libs[turn[0]])
 native.rows_linear = lambda x, weight, bias: libs[turn[0]].rows_linear(x, weight, bias)
 model = load_model("smollm2-135m", dtype=dtype, rows_first=True)[0]
 prompt, token = torch.randint(100, 30000, (4, n)), torch.randint(100, 30000, (4, 1))

@@ -1,8 +1,9 @@
 """Where a rows-first H2O decode step goes once the whole model's step is one C++ call (fused_model.py): SmolLM2-135M,
 batch 4 after an argv[1]-token prompt (default 512), H2O at 20 %, in argv[3]'s dtype (default float32), torch's
 default threads, argv[2] steps (default 100). The kernels are built a second time with timers around their parallel
-regions (the products' and the cache step's) and around `model_step` and each layer's `decode_step` (text inserted into a copy of `csrc/`,
-registered as `torch.ops.h2o_kv_parts`), and the Python around the call is timed by wrapping its functions.
+regions (the products' and the cache step's) and around `model_step` and each layer's `decode_step` (text inserted
+into a copy of `csrc/`, registered as `torch.ops.h2o_kv_parts`), and the Python around the call is timed by wrapping
+its functions.
 Medians per step, in ms: the step, `model_step` split into the products' regions, the cache step's region, the
 decode_step calls' serial part and the rest of the call's serial work (norms, rotary, SiLU, residuals, tensors
 made); then the output projection, the cache's bookkeeping and the model's other Python.
@@ -96,19 +97,8 @@ def wrapped(name, f):
     return run
 
 
-def model_step(hidden, cos, sin, weights, biases, eps, scaling, head_dim, caches, steps):
-    """native.model_step on the timed build."""
-    out = ops.model_step(
-        hidden, cos.contiguous(), sin.contiguous(), weights, biases, eps, scaling, head_dim,
-        [c.keys for c in caches], [c.values for c in caches], [c.key_scale for c in caches],
-        [c.value_scale for c in caches], [c.pos for c in caches], [c.score for c in caches], [c.last for c in caches],
-        [s[0] for s in steps], [s[1] for s in steps], [s[2] for s in steps], [c.capacity for c in caches],
-    )  # fmt: skip
-    return out[0], out[1:]
-
-
 model = load_model("smollm2-135m", dtype=dtype, rows_first=True)[0]
-fused_model.native.model_step = wrapped("model_step", model_step)
+fused_model.native.model_step = wrapped("model_step", functools.partial(native.model_step, ops=ops))  # the timed build
 cache_module.KVCache.steady_plans = wrapped("steady_plans", cache_module.KVCache.steady_plans)
 fused_model.FusedLlamaModel.forward = wrapped("model", fused_model.FusedLlamaModel.forward)
 model.lm_head.forward = wrapped("lm_head", model.lm_head.forward)

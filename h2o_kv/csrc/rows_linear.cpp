@@ -106,7 +106,8 @@ inline void weight_row(const float* x, const T* w, const T* bias, int64_t K, int
 }
 
 // Outputs j0 .. j1 - 1 of RB rows. float32: JB weight rows at a time (4 for up to 4 rows, 2 above: RB x JB
-// accumulators stay in registers), the last N % JB one by one. bfloat16 (RB <= 4): one weight row at a time.
+// accumulators stay in registers), the last N % JB one by one. bfloat16: one weight row at a time, for the first
+// 4 rows and then (RB > 4) the rest, the row read again from the core's cache.
 template <typename T, int RB>
 void columns(const float* x, const T* w, const T* bias, int64_t K, int64_t N, int64_t j0, int64_t j1, T* out) {
   if constexpr (std::is_same_v<T, float>) {
@@ -115,37 +116,32 @@ void columns(const float* x, const T* w, const T* bias, int64_t K, int64_t N, in
     for (; j + JB <= j1; j += JB) tile<T, RB, JB>(x, w, bias, K, N, j, out);
     for (; j < j1; ++j) tile<T, RB, 1>(x, w, bias, K, N, j, out);
   } else {
-    static_assert(RB <= 4, "bfloat16 rows go 4 at a time");
-    for (int64_t j = j0; j < j1; ++j) weight_row<T, RB>(x, w, bias, K, N, j, out);
+    for (int64_t j = j0; j < j1; ++j) {
+      weight_row<T, std::min(RB, 4)>(x, w, bias, K, N, j, out);
+      if constexpr (RB > 4) weight_row<T, RB - 4>(x + 4 * K, w, bias, K, N, j, out + 4 * N);
+    }
   }
 }
 
 // Outputs j0 .. j1 - 1 of all R rows: panels of 16 weight rows, each read from memory once and multiplied
-// by the rows 8 at a time in float32 (8 x 2 accumulators), 4 at a time in bfloat16 (4 x 2); a second pass
-// (more rows) rereads the panel from the cache.
+// by the rows 8 at a time (8 x 2 accumulators); a second pass (R > 8) rereads the panel from the cache.
 template <typename T>
 void rows_columns(const float* x, const T* w, const T* bias, int64_t R, int64_t K, int64_t N, int64_t j0,
                   int64_t j1, T* out) {
-  constexpr int64_t RB = std::is_same_v<T, float> ? 8 : 4;
   for (int64_t p0 = j0; p0 < j1; p0 += 16) {
     const int64_t p1 = std::min<int64_t>(p0 + 16, j1);
-    for (int64_t r = 0; r < R; r += RB) {
+    for (int64_t r = 0; r < R; r += 8) {
       const float* xr = x + r * K;
       T* o = out + r * N;
-      switch (std::min<int64_t>(R - r, RB)) {
+      switch (std::min<int64_t>(R - r, 8)) {
         case 1: columns<T, 1>(xr, w, bias, K, N, p0, p1, o); break;
         case 2: columns<T, 2>(xr, w, bias, K, N, p0, p1, o); break;
         case 3: columns<T, 3>(xr, w, bias, K, N, p0, p1, o); break;
         case 4: columns<T, 4>(xr, w, bias, K, N, p0, p1, o); break;
-        default:
-          if constexpr (RB == 8) {
-            switch (R - r) {
-              case 5: columns<T, 5>(xr, w, bias, K, N, p0, p1, o); break;
-              case 6: columns<T, 6>(xr, w, bias, K, N, p0, p1, o); break;
-              case 7: columns<T, 7>(xr, w, bias, K, N, p0, p1, o); break;
-              default: columns<T, 8>(xr, w, bias, K, N, p0, p1, o); break;
-            }
-          }
+        case 5: columns<T, 5>(xr, w, bias, K, N, p0, p1, o); break;
+        case 6: columns<T, 6>(xr, w, bias, K, N, p0, p1, o); break;
+        case 7: columns<T, 7>(xr, w, bias, K, N, p0, p1, o); break;
+        default: columns<T, 8>(xr, w, bias, K, N, p0, p1, o); break;
       }
     }
   }

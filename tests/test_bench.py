@@ -37,6 +37,9 @@ class CharTokenizer:
         return {"input_ids": [3 + ord(c) % (VOCAB - 3) for c in text]}
 
 
+READ_BYTES = 1 << 20  # the floor's reads: small, for speed (the bench reads 512 MB)
+
+
 @pytest.fixture(scope="module")
 def run() -> tuple[torch.nn.Module, list[dict]]:
     with one_thread():
@@ -56,9 +59,6 @@ def run() -> tuple[torch.nn.Module, list[dict]]:
             read_bytes=READ_BYTES,
         )
     return model, rows
-
-
-READ_BYTES = 1 << 20  # the floor's reads: small, for speed (the bench reads 512 MB)
 
 
 def sweep(rows: list[dict]) -> list[dict]:

@@ -43,6 +43,16 @@ inline Vec load_float(const T* p) {
   }
 }
 
+// Output j of the row xr (float32, [K]): its accumulator's lanes added, then the products from k on one by one
+// (the last K % V), then the bias, rounded to T.
+template <typename T>
+inline T output(const Vec& acc, const float* xr, const T* w, const T* bias, int64_t K, int64_t k, int64_t j) {
+  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return a + c; }, acc);
+  for (; k < K; ++k) sum += xr[k] * static_cast<float>(w[j * K + k]);
+  if (bias) sum += static_cast<float>(bias[j]);
+  return static_cast<T>(sum);
+}
+
 // out[r * N + j] for the RB rows of x (float32, [RB, K]) and the JB weight rows j0 .. j0 + JB - 1.
 template <typename T, int RB, int JB>
 inline void tile(const float* x, const T* w, const T* bias, int64_t K, int64_t N, int64_t j0, T* out) {
@@ -64,12 +74,7 @@ inline void tile(const float* x, const T* w, const T* bias, int64_t K, int64_t N
     }
   }
   for (int r = 0; r < RB; ++r)
-    for (int b = 0; b < JB; ++b) {
-      float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return a + c; }, acc[r][b]);
-      for (int64_t kk = k; kk < K; ++kk) sum += x[r * K + kk] * static_cast<float>(w[(j0 + b) * K + kk]);
-      if (bias) sum += static_cast<float>(bias[j0 + b]);
-      out[r * N + j0 + b] = static_cast<T>(sum);
-    }
+    for (int b = 0; b < JB; ++b) out[r * N + j0 + b] = output(acc[r][b], x + r * K, w, bias, K, k, j0 + b);
 }
 
 // out[r * N + j] for the RB <= 4 rows of x and the one bfloat16 weight row j, read front to back: its blocks of V
@@ -97,12 +102,7 @@ inline void weight_row(const float* x, const T* w, const T* bias, int64_t K, int
     for (int r = 0; r < RB; ++r) even[r] = at::vec::fmadd(Vec::loadu(x + r * K + k), w0, even[r]);
     k += V;
   }
-  for (int r = 0; r < RB; ++r) {
-    float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return a + c; }, even[r] + odd[r]);
-    for (int64_t kk = k; kk < K; ++kk) sum += x[r * K + kk] * static_cast<float>(wj[kk]);
-    if (bias) sum += static_cast<float>(bias[j]);
-    out[r * N + j] = static_cast<T>(sum);
-  }
+  for (int r = 0; r < RB; ++r) out[r * N + j] = output(even[r] + odd[r], x + r * K, w, bias, K, k, j);
 }
 
 // Outputs j0 .. j1 - 1 of RB rows. float32: JB weight rows at a time (4 for up to 4 rows, 2 above: RB x JB

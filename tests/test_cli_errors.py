@@ -182,3 +182,20 @@ def test_bad_eval_sizes_exit_2_with_one_line_before_loading(argv, message, no_lo
     lines = captured.err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and message in lines[0], captured.err
     assert "Traceback" not in captured.err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--batch-sizes", "0"], "batch sizes"),
+        (["--repeats", "0"], "repeats"),
+        (["--threads", "-2"], "threads"),
+        (["--policies", "h2o,lru"], "unknown policy 'lru'"),
+    ],
+)
+def test_bad_bench_run_exits_2_with_one_line_before_loading(argv, message, no_loading, capsys):
+    code = cli.main(["bench", *argv])
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and message in lines[0], captured.err
+    assert "Traceback" not in captured.err

@@ -15,7 +15,7 @@ from h2o_kv.policies import parse_budget
 from h2o_kv.report import missing_extra
 from h2o_kv.rows_first import CLI_HELP as ROWS_FIRST_HELP
 
-from .config import EXTRA_POLICIES, POLICIES, SIZES
+from .config import EXTRA_POLICIES, POLICIES, SIZES, check_run
 from .soak import add_soak_arguments
 from .soak import main as soak_main
 
@@ -143,6 +143,7 @@ def main(args: argparse.Namespace) -> int:
 
     sizes = dict(SIZES[args.size])
     sizes.update({key: getattr(args, key) for key in sizes if getattr(args, key) is not None})
+    check_run(args.policies, args.budget, threads=args.threads, **sizes)  # bad flags: one line, no model loaded
     started = time.perf_counter()
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, rows_first=args.rows_first)
     rows = run_bench(

@@ -27,19 +27,22 @@ or read memory slower, than needed.
   each layer's `layer_in`, `decode_step` and `layer_out` in turn in one call, without the Python between them.
 
 They are built at the first prompt or decode step that needs them on a CPU, with torch's extension builder (ninja
-and a C++ compiler; about 20 s once per machine, then loaded from torch's extension cache,
-`TORCH_EXTENSIONS_DIR`), for this machine's vector width (torch's `get_cpu_capability`: AVX-512 or AVX2),
+and a C++ compiler; 20-90 s once per machine, then loaded from torch's extension cache,
+`TORCH_EXTENSIONS_DIR`, `build_folder`), for this machine's vector width (torch's `get_cpu_capability`: AVX-512 or AVX2),
 and registered as `torch.ops.h2o_kv.*`. `KVCache` and `use_rows_first` take `compile_kernel` (`resolve`):
 None uses them where they can be built (`missing()`), False keeps torch's path, True requires them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import shutil
+import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -97,8 +100,42 @@ def load() -> None:
 
             sources = [str(path) for path in SOURCES]
             options = flags() + [headers_flag(HEADERS)]  # a header's change rebuilds too
-            build(name="h2o_kv_kernels", sources=sources, extra_cflags=options, is_python_module=False)
+            folder = build_folder()
+            folder.mkdir(parents=True, exist_ok=True)
+            with _build_lock(folder):
+                build(name="h2o_kv_kernels", sources=sources, extra_cflags=options, is_python_module=False,
+                      build_directory=str(folder))  # fmt: skip
             _loaded = True
+
+
+def build_folder() -> Path:
+    """Where the kernels are built: under `TORCH_EXTENSIONS_DIR` (torch's extension cache by default), one
+    folder per Python and torch version."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return Path(root) / f"h2o_kv_kernels-{python}-torch{torch.__version__}"
+
+
+@contextlib.contextmanager
+def _build_lock(folder: Path) -> Iterator[None]:
+    """One h2o-kv build or load at a time per folder, by an OS file lock the system frees if its process dies.
+
+    torch's builder guards a folder with a `lock` file that only a finished build removes: a build killed
+    half-way (Ctrl-C, a timeout) leaves it, and every later process waits for it forever, silently. While this
+    lock is held no other h2o-kv process is in the folder, so a `lock` file found there is such a leftover and
+    is removed. Without POSIX file locks (Windows) torch's own guard is all there is.
+    """
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(folder / "h2o-kv.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # waits while another process builds; freed when it exits, however
+        (folder / "lock").unlink(missing_ok=True)
+        yield
 
 
 def headers_flag(headers: list[Path]) -> str:

@@ -187,14 +187,21 @@ def test_bad_eval_sizes_exit_2_with_one_line_before_loading(argv, message, no_lo
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--batch-sizes", "0"], "batch sizes"),
-        (["--repeats", "0"], "repeats"),
-        (["--threads", "-2"], "threads"),
-        (["--policies", "h2o,lru"], "unknown policy 'lru'"),
+        (["bench", "--batch-sizes", "0"], "batch sizes"),
+        (["bench", "--repeats", "0"], "repeats"),
+        (["bench", "--threads", "-2"], "threads"),
+        (["bench", "--policies", "h2o,lru"], "unknown policy 'lru'"),
+        (["bench", "--prefill-chunk", "0"], "prefill_chunk"),
+        (["bench", "--memory-cap-gb", "nan"], "memory_cap_gb"),
+        (["eval", "--policies", "h2o,lru"], "unknown policy 'lru'"),
+        (["eval", "--policies", "h2o-int4"], "unknown policy 'h2o-int4'"),
+        (["eval", "--tasks", "perplexity,quiz"], "unknown task"),
+        (["serve", "--drain-timeout", "-1"], "--drain-timeout"),
+        (["serve", "--port", "70000"], "--port"),
     ],
 )
-def test_bad_bench_run_exits_2_with_one_line_before_loading(argv, message, no_loading, capsys):
-    code = cli.main(["bench", *argv])
+def test_bad_run_flags_exit_2_with_one_line_before_loading(argv, message, no_loading, capsys):
+    code = cli.main(argv)
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and message in lines[0], captured.err

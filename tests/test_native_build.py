@@ -11,6 +11,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import sysconfig
 
 import pytest
@@ -43,3 +44,16 @@ def test_the_kernels_compile_at_the_width_this_machine_does_not_build():
     errors = {name: job.communicate(timeout=300)[1] for name, job in jobs.items()}
     failed = {name: errors[name][:2000] for name, job in jobs.items() if job.returncode}
     assert not failed, f"{other} build of {sorted(failed)}:\n" + "\n".join(failed.values())
+
+
+@pytest.mark.skipif(native.missing() is not None, reason="the kernels cannot be built here")
+def test_a_build_killed_half_way_does_not_hang_the_next_process():
+    """torch's builder leaves its `lock` file when a build is killed (Ctrl-C, a timeout); the next process
+    would wait for it forever. `native.load` clears it under its own OS lock and loads."""
+    native.load()  # built (or loaded) here first, so the process below only loads
+    folder = native.build_folder()
+    (folder / "lock").touch()  # what a killed build leaves
+    done = subprocess.run([sys.executable, "-c", "from h2o_kv import native; native.load(); print('loaded')"],
+                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "loaded", done.stderr[-2000:]
+    assert not (folder / "lock").exists()

@@ -143,7 +143,8 @@ def main(args: argparse.Namespace) -> int:
 
     sizes = dict(SIZES[args.size])
     sizes.update({key: getattr(args, key) for key in sizes if getattr(args, key) is not None})
-    check_run(args.policies, args.budget, threads=args.threads, **sizes)  # bad flags: one line, no model loaded
+    check_run(args.policies, args.budget, threads=args.threads, prefill_chunk=args.prefill_chunk,
+              memory_cap_gb=args.memory_cap_gb, **sizes)  # fmt: skip  # bad flags: one line, no model loaded
     started = time.perf_counter()
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, rows_first=args.rows_first)
     rows = run_bench(

@@ -10,6 +10,7 @@ and values as int8 with per-token scales (`KVCache(kv_dtype="int8")`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -95,6 +96,8 @@ def check_run(
     repeats: int,
     warmup: int,
     threads: Sequence[int | None],
+    prefill_chunk: int | None = None,
+    memory_cap_gb: float | None = None,
 ) -> None:
     """Reject a run that cannot mean anything before any model call (unknown policy, empty sizes...)."""
     if not policies or not prompt_lens or not batch_sizes or not threads:
@@ -103,6 +106,10 @@ def check_run(
         raise ValueError("prompt lengths, batch sizes, gen_len and repeats must be >= 1 (warmup >= 0)")
     if any(t is not None and t < 0 for t in threads):
         raise ValueError(f"threads must be >= 1 (or 0 for the machine's default), got {list(threads)}")
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be >= 1 (or None: the whole prompt at once), got {prefill_chunk}")
+    if memory_cap_gb is not None and not 0 < memory_cap_gb < math.inf:  # also refuses nan
+        raise ValueError(f"memory_cap_gb must be a positive number of GB, got {memory_cap_gb}")
     check_budget_value(budget, "bench budget")
     for name in policies:
         policy_for(name, budget, min(prompt_lens))

@@ -74,7 +74,8 @@ def run_bench(
     The floor's rate is the median of `read_bytes` reads, one after each round of decode steps (`timing.Reads`).
     The model's attention implementation and torch's thread count are restored afterwards.
     """
-    check_run(policies, budget, prompt_lens, gen_len, batch_sizes, repeats, warmup, threads)
+    check_run(policies, budget, prompt_lens, gen_len, batch_sizes, repeats, warmup, threads, prefill_chunk,
+              memory_cap_gb)  # fmt: skip
     from tqdm.auto import tqdm
 
     device = torch.device(device) if device is not None else next(model.parameters()).device

@@ -97,8 +97,9 @@ def main(args: argparse.Namespace) -> int:
 
     from h2o_kv.models import load_model
 
-    from .run import run_eval
+    from .run import check_eval, run_eval
 
+    check_eval(_list(args.tasks), _list(args.policies), args.data)  # bad names: one line, no model loaded
     size = SIZES[args.size].with_contexts(_contexts(args.contexts), _prefills(args.prefills)).with_windows(args.windows)
     if args.threads:
         torch.set_num_threads(args.threads)

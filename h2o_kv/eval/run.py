@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from h2o_kv.cache import Mode
-from h2o_kv.policies import Budget
+from h2o_kv.policies import Budget, policy_key
 from h2o_kv.report import environment, write_csv, write_json
 
 from .cells import Cells, source_digest
+from .decoding import INT8
 from .sizes import DEFAULT_BUDGETS, DEFAULT_POLICIES, DEFAULT_TASKS, SIZES, TASKS, Size
 from .tables import COLUMNS, long_rows, summary_markdown
 
@@ -29,6 +30,17 @@ Config = tuple[str, Budget]
 def configs(policies: Sequence[str], budgets: Sequence[Budget]) -> list[Config]:
     """Full first (the reference), then every (policy, budget)."""
     return [("full", None)] + [(p, b) for p in policies if p.lower() != "full" for b in budgets]
+
+
+def check_eval(tasks: Sequence[str], policies: Sequence[str], data: str | None) -> None:
+    """Refuse, before any model call, tasks and policy names that do not exist, and summarize without data."""
+    unknown = set(tasks) - set(TASKS)
+    if unknown:
+        raise ValueError(f"unknown task(s) {sorted(unknown)}; choose from {', '.join(TASKS)}")
+    if "summarize" in tasks and not data:
+        raise ValueError("the summarize task needs a JSONL file (data=..., CLI --data) with document and summary")
+    for name in policies:
+        policy_key(name.removesuffix(INT8))  # as decoding.new_cache reads it
 
 
 def run_eval(
@@ -63,11 +75,7 @@ def run_eval(
     from tqdm.auto import tqdm
 
     sized = (SIZES[size] if isinstance(size, str) else size).with_chunk(chunk)
-    unknown = set(tasks) - set(TASKS)
-    if unknown:
-        raise ValueError(f"unknown task(s) {sorted(unknown)}; choose from {', '.join(TASKS)}")
-    if "summarize" in tasks and not data:
-        raise ValueError("the summarize task needs a JSONL file (data=..., CLI --data) with document and summary")
+    check_eval(tasks, policies, data)
     runs = configs(policies, budgets)
     model_name = getattr(model.config, "_name_or_path", "") or type(model).__name__
     if out_dir is None:  # nothing is stored, so nothing needs a key

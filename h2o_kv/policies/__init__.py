@@ -28,6 +28,7 @@ __all__ = [
     "NAMES",
     "DEFAULT",
     "build",
+    "policy_key",
     "parse_budget",
     "check_budget_value",
     "Budget",
@@ -95,6 +96,14 @@ def budget_tokens(budget: Budget, length: int) -> int | None:
     return int(budget)
 
 
+def policy_key(name: str) -> str:
+    """`name` as one of NAMES (case, "-" and "_" ignored: "StreamingLLM", "streaming-llm"); ValueError if none."""
+    key = str(name).lower().replace("-", "").replace("_", "")
+    if key not in NAMES:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(NAMES)}")
+    return key
+
+
 def build(name: str, budget: Budget = None, *, sinks: int = 4) -> Policy:
     """The one way to turn a policy name and a budget into a policy (CLI, eval, bench and server).
 
@@ -106,9 +115,7 @@ def build(name: str, budget: Budget = None, *, sinks: int = 4) -> Policy:
     PyramidKV's schedule; sliding-window layers giving their budget to full-attention layers).
     "adakv" is SnapKV with each layer's budget shared by its KV heads (AdaKV: heads x budget per layer).
     """
-    key = str(name).lower().replace("-", "").replace("_", "")
-    if key not in NAMES:
-        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(NAMES)}")
+    key = policy_key(name)
     if key == "full":
         if budget is not None:
             raise ValueError("policy 'full' keeps every token and takes no budget")

@@ -61,6 +61,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = engine_settings(args)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if not 0 <= args.drain_timeout < float("inf"):  # also refuses nan
+        raise ValueError(f"--drain-timeout must be a number of seconds >= 0, got {args.drain_timeout}")
     try:
         from .app import create_app
         from .server import Server

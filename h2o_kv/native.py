@@ -27,10 +27,10 @@ or read memory slower, than needed.
   each layer's `layer_in`, `decode_step` and `layer_out` in turn in one call, without the Python between them.
 
 They are built at the first prompt or decode step that needs them on a CPU, with torch's extension builder (ninja
-and a C++ compiler; 20-90 s once per machine, then loaded from torch's extension cache,
-`TORCH_EXTENSIONS_DIR`, `build_folder`), for this machine's vector width (torch's `get_cpu_capability`: AVX-512 or AVX2),
-and registered as `torch.ops.h2o_kv.*`. `KVCache` and `use_rows_first` take `compile_kernel` (`resolve`):
-None uses them where they can be built (`missing()`), False keeps torch's path, True requires them.
+and a C++ compiler; 20-90 s once per machine, then loaded from torch's extension cache, `TORCH_EXTENSIONS_DIR`,
+`build_folder`), for this machine's vector width (torch's `get_cpu_capability`: AVX-512 or AVX2), and registered
+as `torch.ops.h2o_kv.*`. `KVCache` and `use_rows_first` take `compile_kernel` (`resolve`): None uses them where
+they can be built (`missing()`), False keeps torch's path, True requires them.
 """
 
 from __future__ import annotations
@@ -103,6 +103,8 @@ def load() -> None:
             folder = build_folder()
             folder.mkdir(parents=True, exist_ok=True)
             with _build_lock(folder):
+                if not (folder / "h2o_kv_kernels.so").exists():  # a wait this long gets a word
+                    print("h2o-kv: building its C++ kernels, once for this machine (20-90 s)", file=sys.stderr)
                 build(name="h2o_kv_kernels", sources=sources, extra_cflags=options, is_python_module=False,
                       build_directory=str(folder))  # fmt: skip
             _loaded = True

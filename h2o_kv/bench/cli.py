@@ -143,8 +143,9 @@ def main(args: argparse.Namespace) -> int:
 
     sizes = dict(SIZES[args.size])
     sizes.update({key: getattr(args, key) for key in sizes if getattr(args, key) is not None})
+    # bad flags: one line, before the model loads
     check_run(args.policies, args.budget, threads=args.threads, prefill_chunk=args.prefill_chunk,
-              memory_cap_gb=args.memory_cap_gb, **sizes)  # fmt: skip  # bad flags: one line, no model loaded
+              memory_cap_gb=args.memory_cap_gb, **sizes)  # fmt: skip
     started = time.perf_counter()
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, rows_first=args.rows_first)
     rows = run_bench(

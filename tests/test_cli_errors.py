@@ -174,18 +174,6 @@ def test_ctrl_c_stops_generation_cleanly(tmp_path):
 
 @pytest.mark.parametrize(
     "argv, message",
-    [(["--windows", "0"], "--windows"), (["--contexts", "10"], "--contexts"), (["--prefills", "both"], "--prefills")],
-)
-def test_bad_eval_sizes_exit_2_with_one_line_before_loading(argv, message, no_loading, capsys):
-    code = cli.main(["eval", "--tasks", "perplexity", *argv])
-    captured = capsys.readouterr()
-    lines = captured.err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and message in lines[0], captured.err
-    assert "Traceback" not in captured.err
-
-
-@pytest.mark.parametrize(
-    "argv, message",
     [
         (["bench", "--batch-sizes", "0"], "batch sizes"),
         (["bench", "--repeats", "0"], "repeats"),
@@ -196,6 +184,9 @@ def test_bad_eval_sizes_exit_2_with_one_line_before_loading(argv, message, no_lo
         (["eval", "--policies", "h2o,lru"], "unknown policy 'lru'"),
         (["eval", "--policies", "h2o-int4"], "unknown policy 'h2o-int4'"),
         (["eval", "--tasks", "perplexity,quiz"], "unknown task"),
+        (["eval", "--tasks", "perplexity", "--windows", "0"], "--windows"),
+        (["eval", "--tasks", "perplexity", "--contexts", "10"], "--contexts"),
+        (["eval", "--tasks", "perplexity", "--prefills", "both"], "--prefills"),
         (["serve", "--drain-timeout", "-1"], "--drain-timeout"),
         (["serve", "--port", "70000"], "--port"),
     ],

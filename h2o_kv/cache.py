@@ -60,6 +60,11 @@ class KVCache(Cache):
         self.settings = Settings(policy, mode, prefill_chunk, prompt_len, kv_dtype=kv_dtype, compile_kernel=kernels)
         super().__init__(layer_class_to_replicate=self._new_layer)
 
+    @property
+    def is_compileable(self) -> bool:
+        """Whether transformers' `generate` may compile the decode step, as it does StaticCache's (`Settings`)."""
+        return self.settings.compileable
+
     policy = property(lambda self: self.settings.policy)
     mode = property(lambda self: self.settings.mode)
     prefill_chunk = property(lambda self: self.settings.prefill_chunk)

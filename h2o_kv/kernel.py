@@ -11,6 +11,7 @@ import functools
 import torch
 
 from . import native
+from .backends import use_triton
 from .quant import dequantize
 
 QUERY_BLOCK_ELEMENTS = 1 << 21  # a block's [heads x queries x slots] logits: 8 MiB in float32, cache-sized
@@ -91,6 +92,14 @@ def attend(
     dtype = q.dtype  # bfloat16 on a CPU: float32 products (compute_dtype), the output cast back at each return
     q = q.to(compute_dtype(dtype, q.device))
     batch, q_heads, n, dim = q.shape
+    triton = softcap is None and slot_head is None and use_triton(q.device)
+    if triton:  # imported here: Triton is not a dependency of the core
+        from .backends import triton_decode, triton_scores
+    if triton and n == 1 and window is None and not has_padding and triton_decode.supported(q, keys, values):
+        out, scores, last = triton_decode.decode_attend(q, keys, values, pos, scaling=scaling, key_scale=key_scale,
+                                                        value_scale=value_scale, want_scores=want_scores,
+                                                        want_last=want_last)  # fmt: skip
+        return out.to(dtype), scores, last
     if n == 1 and window is None and not has_padding:
         if native_kernels and slot_head is None and native_rows(keys, q.dtype):
             out, scores, last = native.attend_one(q, keys, values, pos, scaling=scaling, softcap=softcap,
@@ -109,12 +118,18 @@ def attend(
     elif keys.dtype != q.dtype:  # bfloat16 storage, float32 products (compute_dtype)
         keys, values = keys.to(q.dtype), values.to(q.dtype)
     fused = new_from is not None and softcap is None and slot_head is None and not has_padding
-    fused = fused and (window is None or new_from == 0) and n > 1 and (not want_scores or 0 < score_from < n)
-    if fused and not bool((pos[..., :new_from] < 0).any()):
-        out, scores, last = attend_prompt(q, keys, values, pos, qpos, scaling=scaling, new_from=new_from,
-                                          window=window, want_scores=want_scores, want_last=want_last,
-                                          score_from=score_from)  # fmt: skip
-        return out.to(dtype), scores, last
+    fused = fused and (window is None or new_from == 0) and n > 1
+    if fused and (new_from == 0 or not bool((pos[..., :new_from] < 0).any())):  # in order after no holes
+        if triton and (want_scores or want_last) and triton_scores.supported(q, keys):
+            out, scores, last = prompt_scores(q, keys, values, pos, qpos, scaling=scaling, new_from=new_from,
+                                              window=window, want_scores=want_scores, want_last=want_last,
+                                              score_from=score_from)  # fmt: skip
+            return out.to(dtype), scores, last
+        if not want_scores or 0 < score_from < n:
+            out, scores, last = attend_prompt(q, keys, values, pos, qpos, scaling=scaling, new_from=new_from,
+                                              window=window, want_scores=want_scores, want_last=want_last,
+                                              score_from=score_from)  # fmt: skip
+            return out.to(dtype), scores, last
     native_prompt = native_kernels and new_from is not None and window is None and softcap is None and n > 1
     if native_prompt and slot_head is None and q.device.type == "cpu" and q.dtype == keys.dtype == torch.float32:
         # a prompt's or chunk's probabilities summed per slot (H2O): tiles of queries in C++ (native.prompt_attend)
@@ -224,6 +239,43 @@ def attend_prompt(
             scores = None if scores is None else torch.nn.functional.pad(scores, (0, pos.shape[-1] - width))
             last = None if last is None else torch.nn.functional.pad(last, (0, pos.shape[-1] - width))
     return out.transpose(1, 2).contiguous(), scores, last
+
+
+def prompt_scores(q, keys, values, pos, qpos, *, scaling: float, new_from: int, window: int | None,
+                  want_scores: bool, want_last: bool, score_from: int):  # fmt: skip
+    """`attend` for in-order new tokens through the Triton kernels (backends/triton_scores.py): the output from
+    flash attention, or SDPA, the probabilities from a second pass over the keys with each query's log-sum-exp."""
+    n, width = q.shape[2], new_from + q.shape[2]
+    from .backends import triton_scores
+
+    flash = None
+    if new_from == 0 and window is None:
+        flash = triton_scores.flash_with_lse(q, keys[:, :, :n], values[:, :, :n], scaling=scaling)
+    if flash is not None:
+        out, lse2 = flash
+        out = out.transpose(1, 2).contiguous()
+    else:
+        out = attend_prompt(q, keys, values, pos, qpos, scaling=scaling, new_from=new_from, window=window,
+                            want_scores=False, want_last=False, score_from=0)[0]  # fmt: skip
+        lse2 = triton_scores.row_lse(q, keys, pos, qpos, scaling=scaling, new_from=new_from, window=window)
+    pos = pos.contiguous()
+    scores = last = None
+    if want_scores:
+        scores = triton_scores.key_scores(q, keys, pos, qpos, lse2, scaling=scaling, new_from=new_from,
+                                          score_from=score_from, window=window)  # fmt: skip
+    if want_last:  # the last query's probabilities, averaged over the group
+        last = triton_scores.key_scores(
+            q[:, :, -1:],
+            keys[:, :, :width],
+            pos[..., :width],
+            qpos[:, -1:],
+            lse2[:, :, -1:],
+            scaling=scaling,
+            new_from=width - 1,
+            window=window,
+        )
+        last = torch.nn.functional.pad(last, (0, pos.shape[-1] - width)) / (q.shape[1] // keys.shape[1])
+    return out.to(q.dtype), scores, last
 
 
 def widen(

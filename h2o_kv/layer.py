@@ -31,7 +31,6 @@ class KVLayer(Rows, Steady, CacheLayerMixin):
     """One attention layer's slots. Everything is per (sequence, KV head); no Python loops over them."""
 
     is_sliding = False
-    is_compileable = False
     is_croppable = False
     spare = 1  # slots one decode step adds before it evicts (the incoming token's)
     head = None  # [B, 1, S] KV head of each slot in a head-pooled layer (pooled.py); None here
@@ -41,6 +40,7 @@ class KVLayer(Rows, Steady, CacheLayerMixin):
     # the `pos` tensor of a layer whose every slot holds a token after each decode step's insertion (all its
     # rows at one capacity, all reached): its steady decode steps need no mask and no count
     packed: torch.Tensor | None = None
+    vacant_buffer: torch.Tensor | None = None  # the memory `vacant` slots live in once steady (`_kept_slots`)
 
     def __init__(self, settings: Settings, layer_idx: int) -> None:
         super().__init__()
@@ -52,6 +52,10 @@ class KVLayer(Rows, Steady, CacheLayerMixin):
         self.memo: tuple[torch.Tensor | None, dict] = (None, {})  # per-prompt values (`per_prompt`), their prompt_len
 
     # -- transformers' layer interface ---------------------------------------------------------------
+    @property
+    def is_compileable(self) -> bool:
+        return self.settings.compileable
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, dim = key_states.shape
         self.kv_heads = heads
@@ -137,8 +141,9 @@ class KVLayer(Rows, Steady, CacheLayerMixin):
         if n == 1 and self.prompt_len is not None:
             self.decoded = True
         if n == 1 and not has_padding:  # decoding: each row's token takes its next position
-            qpos, first_pos, real_before = self.next_pos.view(batch, 1), self.next_pos.view(batch), None
-            self.next_pos = self.next_pos + 1
+            qpos, real_before = self.next_pos.view(batch, 1).clone(), None
+            first_pos = qpos.view(batch)
+            self.next_pos.add_(1)  # in place: a replayed (CUDA graph) step advances the same tensor
         else:
             qpos = torch.where(real, self.next_pos.view(batch, 1) + real_before - 1, -1)
             first_pos = self.next_pos.view(batch)
@@ -342,8 +347,9 @@ class KVLayer(Rows, Steady, CacheLayerMixin):
                       value_scale=self.value_scale, work=work, native_kernels=native, **options)  # fmt: skip
 
     def _kernels(self, device: torch.device) -> bool:
-        """Whether this layer's work on `device` runs h2o-kv's C++ kernels (native.py): CPU steps, when enabled."""
-        return self.settings.compile_kernel and device.type == "cpu"
+        """Whether this layer's work on `device` runs h2o-kv's C++ kernels (native.py): CPU steps, when enabled,
+        outside torch.compile (which traces the torch path instead)."""
+        return self.settings.compile_kernel and device.type == "cpu" and not torch.compiler.is_compiling()
 
     def nbytes(self) -> int:
         tensors = (self.keys, self.values, self.pos, self.score, self.last, self.key_scale, self.value_scale, self.head)

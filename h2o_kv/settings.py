@@ -24,6 +24,8 @@ class PaddingMemo:
         """[B, n] True for real tokens, and whether any column is padding."""
         if self._memo is not None and self._memo[0] is mask and self._memo[1].shape == (batch, n):
             return self._memo[1], self._memo[2]
+        if n == 1 and capturing():  # a decode step's one column is a real token; checking it would need the host
+            return torch.ones(batch, 1, dtype=torch.bool, device=device), False
         real = _real_tokens(mask, batch, n, device)
         self._memo = (mask, real, not bool(real.all()))
         return real, self._memo[2]
@@ -49,6 +51,12 @@ class Settings:
         capacity = self.policy.capacity(lengths)  # a fraction of the prompt gives different capacities
         self.sized_by_prompt = capacity is not None and bool(capacity[0] != capacity[1])
 
+    @property
+    def compileable(self) -> bool:
+        """Whether a decode step runs without a host sync once the storage is full, so that `torch.compile` and CUDA
+        graphs take it: drop mode (mask mode grows its storage every step) with one storage row per KV head."""
+        return self.mode == "drop" and not self.policy.head_pooled
+
     def work(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A flat buffer of at least `numel` elements, shared by the cache's layers (they run one after
         another) and kept between steps: where int8 storage (or bfloat16 on a CPU) is widened for a decode
@@ -58,6 +66,13 @@ class Settings:
         if work is None or work.numel() < numel or work.dtype != dtype or work.device != device:
             work = self._work = torch.empty(numel, dtype=dtype, device=device)
         return work
+
+
+def capturing() -> bool:
+    """Inside a CUDA graph capture or a torch.compile trace, where the host cannot read device values."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _real_tokens(mask: torch.Tensor | None, batch: int, n: int, device: torch.device) -> torch.Tensor:

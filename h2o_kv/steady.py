@@ -18,6 +18,10 @@ from . import native
 from .kernel import compute_dtype, native_rows
 from .policies import SlotState
 from .quant import quantize
+from .settings import capturing
+
+# what a steady step reads and writes in place, at the same addresses from step to step
+STEADY_FIELDS = ("keys", "values", "pos", "score", "last", "key_scale", "value_scale", "next_pos", "vacant_buffer")
 
 
 class Steady:
@@ -137,9 +141,10 @@ class Steady:
         if scores is not None:
             self._add_scores(scores, 1, observed=False, new_from=None)
         if last is not None:
-            self.last = last
+            self.last.copy_(last)  # in place: a replayed step reads the same buffer
         valid = None if packed else self.pos >= 0
-        if not packed and self.min_capacity == self.max_capacity and bool(valid.all()):  # a sync, until packed
+        uniform = not packed and self.min_capacity == self.max_capacity and not capturing()
+        if uniform and bool(valid.all()):  # a host sync, until packed (never inside a captured or compiled step)
             self.packed = self.pos
         return out, valid
 
@@ -159,5 +164,18 @@ class Steady:
             if getattr(self, name) is not None:
                 getattr(self, name).scatter_(2, victim, empty)
         if self.settings.mode == "drop":
-            self.vacant = (victim, self.pos)
+            self.vacant = (self._kept_slots(victim), self.pos)
         self.kept_bound = min(self.kept_bound, self.max_capacity)
+
+    def _kept_slots(self, victim: torch.Tensor) -> torch.Tensor:
+        """`victim` copied into the layer's one buffer of vacant slots, so that every steady step reads and writes
+        the same memory (what a replayed CUDA graph of the step needs); a new buffer when the shape changed."""
+        held = self.vacant_buffer
+        if held is None or held.shape != victim.shape or held.device != victim.device:
+            self.vacant_buffer = victim.clone()
+            if not capturing():  # the storage is final: torch.compile's CUDA graphs may keep its addresses
+                for name in STEADY_FIELDS:
+                    if getattr(self, name) is not None:
+                        torch._dynamo.mark_static_address(getattr(self, name))
+            return self.vacant_buffer
+        return held.copy_(victim)

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
-import transformers as tf
+import os
 
-import h2o_kv
+# Triton reads this when it is first imported: without a GPU its kernels run interpreted on CPU tensors
+# (tests/test_triton.py). Only h2o-kv's Triton kernels are affected (torch.compile on a CPU emits C++).
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import transformers as tf  # noqa: E402
+
+import h2o_kv  # noqa: E402
 
 VOCAB = 128
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)

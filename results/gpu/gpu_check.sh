@@ -1,32 +1,22 @@
 #!/usr/bin/env bash
-# One lent-GPU session's checks, run by the device tool from the repository root (results/gpu/README.md):
-# the CUDA tests (tests/test_cuda.py), then `h2o-kv bench` at 4096 tokens x batch 4 in bfloat16 and float32 on
-# a model with SmolLM2-135M's shapes and random weights (the bundled GGUF is larger than what travels; timings
-# do not depend on the weights' values). Needs, carried beside the tree (ignored): .whl/ (transformers 5.23.0,
-# gguf 0.19.0 wheels), .gpu/smollm2-shape/ (SmolLM2's config and tokenizer, no weights) and .gpu/cache/data/
-# shakespeare/ (the bench's text). Writes 8 files to $OUT (the device tool's limit).
+# One lent-GPU session's checks, run by the device tool from the repository root: `bash results/gpu/gpu_check.sh`.
+# 1. the Triton kernels against literal attention and the cache's CUDA paths (tests/test_triton.py, test_cuda.py);
+# 2. the GPU study (h2o_kv/bench/gpu.py): SmolLM2-135M's shapes at 4k x 4, then Llama-3-8B's at 32k x 8, random
+#    weights, bfloat16: StaticCache eager and compiled, DynamicCache, H2O / SnapKV / int8 eager and replayed from
+#    a CUDA graph, the same-memory batch, prefill with exact scores against SDPA.
+# Needs, carried beside the tree (ignored): .whl/ (the transformers 5.23.0 wheel; the machine has an older one).
+# Writes to $OUT: machine.txt, pytest.txt, gpu.jsonl, tables.md, study.log (the device tool brings back 8 files).
 set -o pipefail
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD H2O_KV_CACHE=$PWD/.gpu/cache PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
-  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+  python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
   nproc
 } 2>&1 | tee "$OUT/machine.txt"
-timeout 200 python3 -m pytest -q -p no:cacheprovider -rf tests/test_cuda.py 2>&1 | tee "$OUT/pytest.txt" | tail -25
-python3 - <<'PY' 2>&1 | tail -2
-import shutil, torch, transformers as tf
-shutil.copytree(".gpu/smollm2-shape", "/tmp/smol", dirs_exist_ok=True)
-torch.manual_seed(0)
-tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained("/tmp/smol")).save_pretrained("/tmp/smol")
-print("random-weight SmolLM2-135M shape saved")
-PY
-for dtype in bfloat16 float32; do
-  profile=$([ $dtype = bfloat16 ] && echo --profile)
-  timeout ${BENCH_TIMEOUT:-150} python3 -m h2o_kv.bench $profile --model /tmp/smol --device cuda --dtype $dtype --prompt-lens 4096 \
-    --batch-sizes 4 --gen-len 32 --repeats 3 --policies static-sdpa,full-sdpa,h2o,h2o-int8 --interleave --no-progress \
-    --out /tmp/bench-$dtype 2>&1 | tee "$OUT/bench-$dtype.txt" | tail -30
-  cp /tmp/bench-$dtype/bench.csv "$OUT/bench-$dtype.csv"
+timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rf -x tests/test_triton.py tests/test_cuda.py 2>&1 | tee "$OUT/pytest.txt" | tail -8
+for shape in ${SHAPES:-smollm2-135m llama3-8b}; do
+  timeout ${STUDY_TIMEOUT:-240} python3 -m h2o_kv.bench.gpu --shapes $shape --out "$OUT" 2>&1 | tee -a "$OUT/study.log" | grep -v '^{' | tail -4
 done
-cp /tmp/bench-bfloat16/profile_*.txt "$OUT/"  # an H2O prefill and decode step's op tables
+python3 -m h2o_kv.bench.gpu --report --out "$OUT"

@@ -1,0 +1,139 @@
+"""A prompt's attention with H2O's per-key scores at flash-attention cost, never a queries x keys matrix.
+
+H2O scores each kept key by the attention probability it receives, summed over the prompt's queries and the
+query heads of its KV group. The probabilities are exp(q.k * scale - lse) with each query row's log-sum-exp
+`lse`: so the output comes from flash attention (which returns `lse` on a GPU), and `key_scores` recomputes
+q.k tile by tile in a second pass, one program per tile of keys, summing exp(q.k * scale - lse) down the
+queries. It never reads the values. Where no attention kernel hands out `lse` (a CPU under the interpreter, a
+chunk after earlier slots, float32), `row_lse` computes it in a pass of its own over the keys.
+
+Visibility is the cache's (docs/eviction.md): query i at position qpos_i sees slot j when
+0 <= pos_j <= qpos_i (and pos_j > qpos_i - window on a sliding layer). The new tokens sit in slots
+`new_from` onwards in order, so a tile of keys skips the queries before its first new token.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 32  # queries per tile
+BLOCK_N = 32  # keys per tile
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _visible(pos, qpos, i, n, WINDOW: tl.constexpr, window):
+    seen = (pos[None, :] >= 0) & (pos[None, :] <= qpos[:, None]) & (i < n)[:, None]
+    if WINDOW:
+        seen = seen & (pos[None, :] > qpos[:, None] - window)
+    return seen
+
+
+@triton.jit
+def _row_lse(Q, K, POS, QPOS, LSE, sqb, sqh, sqn, skb, skh, sks, spb, sph, sqpb, q_heads, n, new_from, window, scale2,
+             G: tl.constexpr, D: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    bq = tl.program_id(0)
+    b = bq // q_heads
+    hq = bq % q_heads
+    h = hq // G
+    i = tl.program_id(1) * 32 + tl.arange(0, 32)
+    d = tl.arange(0, D)
+    q = tl.load(Q + b * sqb + hq * sqh + i[:, None] * sqn + d[None, :], mask=(i < n)[:, None], other=0.0)
+    qpos = tl.load(QPOS + b * sqpb + i, mask=i < n, other=-1)
+    m = tl.full([32], float("-inf"), tl.float32)
+    total = tl.zeros([32], tl.float32)
+    width = tl.minimum(new_from + tl.program_id(1) * 32 + 32, new_from + n)  # keys after the block's last query: unseen
+    for j0 in range(0, width, 32):
+        j = j0 + tl.arange(0, 32)
+        k = tl.load(K + b * skb + h * skh + j[:, None] * sks + d[None, :], mask=(j < width)[:, None], other=0.0)
+        pos = tl.load(POS + b * spb + h * sph + j, mask=j < width, other=-1)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * scale2
+        else:
+            s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale2
+        s = tl.where(_visible(pos, qpos, i, n, WINDOW, window), s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        total = total * tl.exp2(m - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
+        m = m_new
+    lse2 = tl.where(total > 0, m + tl.log2(tl.maximum(total, 1e-30)), float("inf"))
+    tl.store(LSE + bq * n + i, lse2, mask=i < n)
+
+
+@triton.jit
+def _key_scores(Q, K, POS, QPOS, LSE, SCORES, sqb, sqh, sqn, skb, skh, sks, spb, sph, sqpb, ssb, ssh,
+                heads, n, new_from, width, score_from, window, scale2,
+                G: tl.constexpr, D: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+    bh = tl.program_id(0)
+    b = bh // heads
+    h = bh % heads
+    j = tl.program_id(1) * BN + tl.arange(0, BN)
+    d = tl.arange(0, D)
+    k = tl.load(K + b * skb + h * skh + j[:, None] * sks + d[None, :], mask=(j < width)[:, None], other=0.0)
+    pos = tl.load(POS + b * spb + h * sph + j, mask=j < width, other=-1)
+    first = tl.maximum(score_from, tl.program_id(1) * BN - new_from)  # the first query that can see these keys
+    acc = tl.zeros([BN], tl.float32)
+    for g in range(G):
+        hq = h * G + g
+        for i0 in range(first, n, BM):
+            i = i0 + tl.arange(0, BM)
+            q = tl.load(Q + b * sqb + hq * sqh + i[:, None] * sqn + d[None, :], mask=(i < n)[:, None], other=0.0)
+            qpos = tl.load(QPOS + b * sqpb + i, mask=i < n, other=-1)
+            lse2 = tl.load(LSE + (b * heads * G + hq) * n + i, mask=i < n, other=float("inf"))
+            if IEEE:
+                s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * scale2
+            else:
+                s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale2
+            p = tl.exp2(s - lse2[:, None])
+            acc += tl.sum(tl.where(_visible(pos, qpos, i, n, WINDOW, window), p, 0.0), 0)
+    tl.store(SCORES + b * ssb + h * ssh + j, acc, mask=j < width)
+
+
+def supported(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    dim = keys.shape[-1]
+    return 16 <= dim <= 256 and dim & (dim - 1) == 0 and q.shape[1] % keys.shape[1] == 0
+
+
+def row_lse(q, keys, pos, qpos, *, scaling: float, new_from: int, window: int | None = None) -> torch.Tensor:
+    """Each query's log-sum-exp of its visible scaled logits, in base 2 [B, Hq, n] float32 (+inf for a query that
+    sees nothing). q [B, Hq, n, D], keys [B, H, S, D] (in order: the n new tokens at slots new_from...)."""
+    batch, q_heads, n, dim = q.shape
+    lse = torch.empty(batch, q_heads, n, dtype=torch.float32, device=q.device)
+    grid = (batch * q_heads, triton.cdiv(n, 32))
+    _row_lse[grid](q, keys, pos, qpos, lse, q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1),
+                   keys.stride(2), pos.stride(0), pos.stride(1), qpos.stride(0), q_heads, n, new_from, window or 0,
+                   scaling * LOG2E, G=q_heads // keys.shape[1], D=dim, WINDOW=window is not None,
+                   IEEE=q.dtype == torch.float32)  # fmt: skip
+    return lse
+
+
+def key_scores(q, keys, pos, qpos, lse2, *, scaling: float, new_from: int, score_from: int = 0,
+               window: int | None = None) -> torch.Tensor:  # fmt: skip
+    """The attention each slot receives from the queries from `score_from` on, summed over them and over each
+    KV group's query heads, [B, H, S] float32 (slots after the new tokens get 0). `lse2`: `row_lse`'s, base 2."""
+    batch, q_heads, n, dim = q.shape
+    heads, slots = keys.shape[1], keys.shape[2]
+    width = new_from + n
+    scores = torch.zeros(batch, heads, slots, dtype=torch.float32, device=q.device)
+    grid = (batch * heads, triton.cdiv(width, BLOCK_N))
+    _key_scores[grid](q, keys, pos, qpos, lse2.contiguous(), scores, q.stride(0), q.stride(1), q.stride(2),
+                      keys.stride(0), keys.stride(1), keys.stride(2), pos.stride(0), pos.stride(1), qpos.stride(0),
+                      scores.stride(0), scores.stride(1), heads, n, new_from, width, score_from, window or 0,
+                      scaling * LOG2E, G=q_heads // heads, D=dim, WINDOW=window is not None,
+                      IEEE=q.dtype == torch.float32, BM=BLOCK_M, BN=BLOCK_N)  # fmt: skip
+    return scores
+
+
+def flash_with_lse(q, keys, values, *, scaling: float):
+    """A whole causal prompt's attention through flash attention on a GPU, with its log-sum-exp in base 2:
+    (out [B, Hq, n, Dv], lse2 [B, Hq, n]), or None where that kernel does not apply (CPU, float32, sizes)."""
+    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16) or keys.shape[-1] > 256:
+        return None
+    group = q.shape[1] // keys.shape[1]
+    if group > 1:  # the flash kernel wants one key head per query head
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, keys, values, 0.0, True, False, scale=scaling)[:2]
+    return out, lse * LOG2E

@@ -1,0 +1,189 @@
+"""The Triton kernels (h2o_kv/backends) against literal float64 attention, and the compiled decode step.
+
+On a CPU the kernels run under Triton's interpreter (conftest sets TRITON_INTERPRET=1 before anything imports
+Triton) at tiny shapes; on a GPU the same tests run them compiled, bfloat16 included. The compiled-step tests
+check that a decode step with a KVCache traces into one graph (`fullgraph=True`: a host sync or graph break
+fails them) and gives the eager logits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_eviction import POLICIES, SCHEDULES, kept_positions, random_qkv, run_layer
+
+import h2o_kv
+from h2o_kv.backends import triton_importable
+from h2o_kv.generation import forward, prefill
+from h2o_kv.kernel import attend
+from h2o_kv.quant import dequantize, quantize
+
+from conftest import make_model, random_ids
+from reference import reference_layer
+
+pytestmark = pytest.mark.skipif(not triton_importable(), reason="triton is not installed (the dev extra has it)")
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def literal(q, k, v, visible, scale):
+    """float64 attention of q [B, Hq, n, D] over k/v [B, H, S, D] where `visible` [B, H, n, S]: the output
+    [B, Hq, n, D] and each key's probability summed over queries and each KV group, [B, H, S]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.double().repeat_interleave(group, 1) for t in (k, v))
+    logits = (q.double() @ k.mT) * scale
+    logits = logits.masked_fill(~visible.repeat_interleave(group, 1), float("-inf"))
+    probs = torch.softmax(logits, -1).nan_to_num(0.0)
+    summed = probs.sum(2).view(q.shape[0], -1, group, k.shape[2]).sum(2)
+    return probs @ v, summed, probs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("storage", ["float32", "int8", "bfloat16"])
+@pytest.mark.parametrize("group,dim,holes", [(1, 16, True), (3, 32, False), (4, 16, True)])
+def test_decode_kernel_matches_literal_attention(device, storage, group, dim, holes):
+    from h2o_kv.backends.triton_decode import decode_attend
+
+    if storage == "bfloat16" and device == "cpu":
+        pytest.skip("bfloat16 tl.dot is wrong in Triton's interpreter")
+    gen = torch.Generator().manual_seed(group * dim)
+    batch, heads, slots = 2, 2, 75
+    q = torch.randn(batch, heads * group, 1, dim, generator=gen) * 2
+    k, v = torch.randn(2, batch, heads, slots, dim, generator=gen)
+    pos = torch.randint(-1 if holes else 0, 90, (batch, heads, slots), generator=gen)
+    pos[..., 0] = 5  # every head sees a token
+    scales = (None, None)
+    if storage == "int8":
+        (k, ks), (v, vs) = quantize(k), quantize(v)
+        scales = (ks, vs)
+        k_ref, v_ref = dequantize(k, ks, torch.float32), dequantize(v, vs, torch.float32)
+    else:
+        dtype = getattr(torch, storage)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        k_ref, v_ref = k, v
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    out, scores, last = decode_attend(to(q), to(k), to(v), to(pos) if holes else None, scaling=dim**-0.5,
+                                      key_scale=to(scales[0]), value_scale=to(scales[1]), want_scores=True,
+                                      want_last=True)  # fmt: skip
+    visible = (pos >= 0)[:, :, None] if holes else torch.ones(batch, heads, 1, slots, dtype=torch.bool)
+    ref_out, ref_scores, probs = literal(q, k_ref, v_ref, visible, dim**-0.5)
+    tol = 2e-2 if storage == "bfloat16" else 1e-5
+    torch.testing.assert_close(out.cpu().double(), ref_out.transpose(1, 2), atol=tol, rtol=tol)
+    torch.testing.assert_close(scores.cpu().double(), ref_scores, atol=tol, rtol=tol)
+    ref_last = probs[:, :, 0].reshape(batch, heads, group, slots).mean(2)
+    torch.testing.assert_close(last.cpu().double(), ref_last, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "old,n,score_from,window,group",
+    [(0, 45, 0, None, 2), (20, 37, 5, None, 3), (0, 50, 0, 8, 4), (13, 33, 32, None, 1)],
+)
+def test_prompt_scores_match_literal_attention(device, old, n, score_from, window, group):
+    from h2o_kv.backends.triton_scores import key_scores, row_lse
+
+    gen = torch.Generator().manual_seed(n)
+    batch, heads, dim = 2, 2, 16
+    slots = old + n + 5  # storage reserved past the new tokens
+    q = torch.randn(batch, heads * group, n, dim, generator=gen) * 2
+    k = torch.randn(batch, heads, slots, dim, generator=gen)
+    pos = torch.full((batch, heads, slots), -1)
+    pos[..., : old + n] = torch.arange(old + n)
+    if old:
+        pos[0, 1, 3] = pos[1, 0, 7] = -1  # evicted old tokens: holes
+    qpos = torch.arange(old, old + n).expand(batch, n).contiguous()
+    lse = row_lse(q.to(device), k.to(device), pos.to(device), qpos.to(device), scaling=dim**-0.5, new_from=old,
+                  window=window)  # fmt: skip
+    scores = key_scores(q.to(device), k.to(device), pos.to(device), qpos.to(device), lse, scaling=dim**-0.5,
+                        new_from=old, score_from=score_from, window=window)  # fmt: skip
+    t = qpos[:, None, :, None]
+    visible = (pos[:, :, None] >= 0) & (pos[:, :, None] <= t)
+    if window is not None:
+        visible &= pos[:, :, None] > t - window
+    _, ref, _ = literal(q[:, :, score_from:], k, k, visible[:, :, score_from:], dim**-0.5)
+    torch.testing.assert_close(scores.cpu().double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n,new_from,want_last", [(1, None, True), (29, 0, True), (17, 11, False)])
+def test_attend_takes_the_triton_route_with_the_same_results(monkeypatch, n, new_from, want_last):
+    gen = torch.Generator().manual_seed(n)
+    old = new_from or 0
+    q = torch.randn(2, 4, n, 16, generator=gen)
+    k, v = torch.randn(2, 2, 2, old + n + 3, 16, generator=gen)
+    pos = torch.full((2, 2, old + n + 3), -1)
+    pos[..., : old + n] = torch.arange(old + n)
+    qpos = torch.arange(old, old + n).expand(2, n)
+    if n == 1:
+        pos[0, 0, 2] = -1
+    options = dict(scaling=0.25, new_from=new_from, want_scores=True, want_last=want_last)
+    monkeypatch.setenv("H2O_KV_TRITON", "0")
+    ref = attend(q, k, v, pos, qpos, **options)
+    monkeypatch.setenv("H2O_KV_TRITON", "1")
+    calls = []
+    from h2o_kv.backends import triton_decode, triton_scores
+
+    for module, name in ((triton_decode, "decode_attend"), (triton_scores, "key_scores")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, **kw: calls.append(1) or _real(*a, **kw))
+    got = attend(q, k, v, pos, qpos, **options)
+    assert calls, "the Triton kernels were not used"
+    for a, b in zip(got, ref):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["h2o", "tova"])
+@pytest.mark.parametrize("schedule", ["mixed", "token_by_token"])
+def test_layer_on_the_triton_kernels_matches_the_reference(monkeypatch, name, schedule):
+    monkeypatch.setenv("H2O_KV_TRITON", "1")
+    policy, capacity, params = POLICIES[name]
+    q, k, v = random_qkv(dim=16)
+    chunks = SCHEDULES[schedule]
+    out, layer = run_layer(policy, q, k, v, chunks)
+    ref_out, ref_kept = reference_layer(q[0], k[0], v[0], chunks, name, capacity, params)
+    torch.testing.assert_close(out[0].double(), ref_out, atol=1e-5, rtol=1e-5)
+    assert kept_positions(layer) == ref_kept
+
+
+@pytest.mark.parametrize("triton", ["0", "1"], ids=["torch", "triton"])
+def test_compiled_decode_step_equals_eager(monkeypatch, triton):
+    """torch.compile(fullgraph=True) over whole decode steps from right after the prompt (the storage grows once,
+    then every step is steady): the eager logits and kept tokens, step after step."""
+    monkeypatch.setenv("H2O_KV_TRITON", triton)
+    model = make_model("llama")
+    ids = random_ids(2, 12)
+    caches = [h2o_kv.KVCache(h2o_kv.H2O(heavy=4, recent=4), compile_kernel=False) for _ in range(2)]
+    tokens = [prefill(model, cache, ids).argmax(-1) for cache in caches]
+
+    def step(cache, token, position):
+        return forward(model, cache, token.view(-1, 1), positions=position.view(-1, 1))
+
+    compiled = torch.compile(step, fullgraph=True)
+    position = torch.full((2,), 12)
+    with torch.inference_mode():
+        for _ in range(6):
+            eager, fast = step(caches[0], tokens[0], position), compiled(caches[1], tokens[1], position)
+            torch.testing.assert_close(fast, eager, atol=1e-5, rtol=1e-5)
+            tokens = [eager.argmax(-1), fast.argmax(-1)]
+            position = position + 1
+    assert [kept_positions(layer) for layer in caches[1].layers] == [kept_positions(la) for la in caches[0].layers]
+    assert caches[1].seen_tokens == caches[0].seen_tokens == 18
+
+
+def test_generate_compiles_the_decode_step_with_a_kvcache():
+    """`model.generate` compiles the decode step where it compiles StaticCache's (here forced on a CPU), with the
+    same tokens as without compiling; a mask-mode cache says it cannot be compiled."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    model = make_model("qwen2")
+    ids = random_ids(2, 10)
+    config = CompileConfig(fullgraph=True)
+    config._compile_all_devices = True
+    kwargs = dict(max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(ids))
+    cache = h2o_kv.KVCache(h2o_kv.H2O(heavy=3, recent=3), compile_kernel=False)
+    assert cache.is_compileable and not h2o_kv.KVCache(h2o_kv.H2O(budget=6), mode="mask").is_compileable
+    compiled = model.generate(ids, past_key_values=cache, compile_config=config, **kwargs)
+    eager = model.generate(ids, past_key_values=h2o_kv.KVCache(h2o_kv.H2O(heavy=3, recent=3)), disable_compile=True,
+                           **kwargs)  # fmt: skip
+    assert torch.equal(compiled, eager)
+    assert cache.kept_tokens == 6

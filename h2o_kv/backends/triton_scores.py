@@ -18,8 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 32  # queries per tile
-BLOCK_N = 32  # keys per tile
+TILES = {"cuda": (64, 128, 8), "cpu": (32, 32, 4)}  # queries and keys per tile, warps: a GPU's; the interpreter's
 LOG2E = 1.4426950408889634
 
 
@@ -118,12 +117,13 @@ def key_scores(q, keys, pos, qpos, lse2, *, scaling: float, new_from: int, score
     heads, slots = keys.shape[1], keys.shape[2]
     width = new_from + n
     scores = torch.zeros(batch, heads, slots, dtype=torch.float32, device=q.device)
-    grid = (batch * heads, triton.cdiv(width, BLOCK_N))
+    block_m, block_n, warps = TILES["cuda" if q.device.type == "cuda" else "cpu"]
+    grid = (batch * heads, triton.cdiv(width, block_n))
     _key_scores[grid](q, keys, pos, qpos, lse2.contiguous(), scores, q.stride(0), q.stride(1), q.stride(2),
                       keys.stride(0), keys.stride(1), keys.stride(2), pos.stride(0), pos.stride(1), qpos.stride(0),
                       scores.stride(0), scores.stride(1), heads, n, new_from, width, score_from, window or 0,
                       scaling * LOG2E, G=q_heads // heads, D=dim, WINDOW=window is not None,
-                      IEEE=q.dtype == torch.float32, BM=BLOCK_M, BN=BLOCK_N)  # fmt: skip
+                      IEEE=q.dtype == torch.float32, BM=block_m, BN=block_n, num_warps=warps)  # fmt: skip
     return scores
 
 

@@ -13,7 +13,7 @@ import torch
 from test_eviction import POLICIES, SCHEDULES, kept_positions, random_qkv, run_layer
 
 import h2o_kv
-from h2o_kv.backends import triton_importable
+from h2o_kv.backends import interpreted, triton_importable
 from h2o_kv.generation import forward, prefill
 from h2o_kv.kernel import attend
 from h2o_kv.quant import dequantize, quantize
@@ -22,7 +22,7 @@ from conftest import make_model, random_ids
 from reference import reference_layer
 
 pytestmark = pytest.mark.skipif(not triton_importable(), reason="triton is not installed (the dev extra has it)")
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = (["cpu"] if interpreted() else []) + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def literal(q, k, v, visible, scale):
@@ -105,6 +105,8 @@ def test_prompt_scores_match_literal_attention(device, old, n, score_from, windo
 
 @pytest.mark.parametrize("n,new_from,want_last", [(1, None, True), (29, 0, True), (17, 11, False)])
 def test_attend_takes_the_triton_route_with_the_same_results(monkeypatch, n, new_from, want_last):
+    if not interpreted():
+        pytest.skip("CPU tensors reach the Triton kernels only under the interpreter")
     gen = torch.Generator().manual_seed(n)
     old = new_from or 0
     q = torch.randn(2, 4, n, 16, generator=gen)
@@ -135,6 +137,8 @@ def test_attend_takes_the_triton_route_with_the_same_results(monkeypatch, n, new
 @pytest.mark.parametrize("name", ["h2o", "tova"])
 @pytest.mark.parametrize("schedule", ["mixed", "token_by_token"])
 def test_layer_on_the_triton_kernels_matches_the_reference(monkeypatch, name, schedule):
+    if not interpreted():
+        pytest.skip("CPU tensors reach the Triton kernels only under the interpreter (test_cuda.py covers CUDA)")
     monkeypatch.setenv("H2O_KV_TRITON", "1")
     policy, capacity, params = POLICIES[name]
     q, k, v = random_qkv(dim=16)

@@ -17,6 +17,7 @@ from .layer import KVLayer, Mode, Settings
 from .policies import MAX_TOKENS, Policy
 from .pooled import PooledKVLayer
 from .quant import check_kv_dtype
+from .settings import capturing
 
 __all__ = ["KVCache", "KVLayer", "Mode"]
 
@@ -79,7 +80,10 @@ class KVCache(Cache):
         if stale:
             previous[0].pending = None  # the last layer's keys never reached h2o-kv attention
         batch, _, n, _ = key_states.shape
-        if stale or (layer_idx == 0 and take_forward_mark() not in ((batch, n), (1, n))):
+        # A compiled or captured step trusts the eager calls before it (transformers' generate hands a compiled step
+        # a mask it built outside, so no mark is made inside).
+        traced = capturing() and bool(self.layers) and self.layers[0].is_initialized
+        if stale or (layer_idx == 0 and not traced and take_forward_mark() not in ((batch, n), (1, n))):
             raise RuntimeError(
                 "h2o_kv.KVCache needs the model's attention to go through h2o-kv to see attention scores: "
                 "call h2o_kv.enable(model) first (this attention implementation does not give scores)"

@@ -225,7 +225,7 @@ class KVLayer(Rows, Steady, CacheLayerMixin):
         else:
             first = self.used
             self._reserve(first + n)
-            slots = torch.arange(first, first + n, device=self.device).expand(batch, heads, n)
+            slots = slice(first, first + n)  # in order: a copy into a range of slots, not a scatter
             self.used = first + n
         self.kept_bound += n
         self._write(slots, keys, values, positions[:, None, :].expand(batch, heads, n))
@@ -251,8 +251,11 @@ class KVLayer(Rows, Steady, CacheLayerMixin):
         positions: torch.Tensor,
         zeroed: bool = False,
     ) -> None:
-        """Store tokens [B, H, n, D] at their `slots` [B, H, n] with their `positions` [B, H, n] and a zero score
-        (`zeroed`: the slots' scores are zero already, as an eviction leaves them)."""
+        """Store tokens [B, H, n, D] at their `slots` [B, H, n] (or a `slice` of slots, the same for every row) with
+        their `positions` [B, H, n] and a zero score (`zeroed`: the slots' scores are zero already, as an eviction
+        leaves them)."""
+        if isinstance(slots, slice):
+            return self._write_range(slots, keys, values, positions)
         dim = keys.shape[-1]
         if self.key_scale is not None:  # int8 storage: quantize on the way in
             if keys.shape == values.shape:  # one quantize call for both (a decode step is kernel-bound)
@@ -269,6 +272,19 @@ class KVLayer(Rows, Steady, CacheLayerMixin):
         self.score.scatter_(2, slots, 0.0)
         if self.last is not None:
             self.last.scatter_(2, slots, 0.0)
+
+    def _write_range(self, slots: slice, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """`_write` of a prompt or chunk into consecutive slots: copies into the range."""
+        if self.key_scale is not None:
+            (keys, key_scale), (values, value_scale) = quantize(keys), quantize(values)
+            self.key_scale[:, :, slots] = key_scale
+            self.value_scale[:, :, slots] = value_scale
+        self.keys[:, :, slots] = keys
+        self.values[:, :, slots] = values
+        self.pos[:, :, slots] = positions
+        self.score[:, :, slots] = 0.0
+        if self.last is not None:
+            self.last[:, :, slots] = 0.0
 
     def _evict(self, next_pos: torch.Tensor, window: int | None, added: int) -> None:
         """Free slots until every (sequence, head) holds at most `capacity` tokens.

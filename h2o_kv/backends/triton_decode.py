@@ -14,11 +14,15 @@ probabilities. Shapes depend only on the storage, so a steady decode step replay
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-BLOCK_S = {"cuda": 64, "cpu": 32}  # slots per tile: a GPU's; the interpreter's (smaller tests)
+# slots per tile, warps, pipeline stages, programs per multiprocessor: a GPU's (results/gpu/ tunes them); the
+# interpreter's (smaller tiles: more of the code runs in the tests' small shapes)
+TILES = {"cuda": dict(block=64, num_warps=4, num_stages=2, per_sm=4), "cpu": dict(block=32, num_warps=4, num_stages=1)}
 
 
 @triton.jit
@@ -130,12 +134,17 @@ def supported(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool
 
 
 def splits(batch_heads: int, slots: int, device: torch.device) -> int:
-    """How many slot ranges each (sequence, KV head) is cut into: about four programs per multiprocessor, a power
-    of two, never more than the tiles there are."""
-    cuda = device.type == "cuda"
-    programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count if cuda else 4
-    want = max(1, min(-(-programs // batch_heads), -(-slots // BLOCK_S["cuda" if cuda else "cpu"]), 64))
+    """How many slot ranges each (sequence, KV head) is cut into: `per_sm` programs per multiprocessor, a power of
+    two, never more than the tiles there are."""
+    tiles = TILES["cuda" if device.type == "cuda" else "cpu"]
+    programs = tiles["per_sm"] * sm_count(device.index) if device.type == "cuda" else 4
+    want = max(1, min(-(-programs // batch_heads), -(-slots // tiles["block"]), 64))
     return 1 << (want - 1).bit_length()
+
+
+@functools.cache
+def sm_count(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index or 0).multi_processor_count
 
 
 def decode_attend(
@@ -178,7 +187,8 @@ def _decode_op(
     group = q_heads // heads
     g_pad = max(16, 1 << (group - 1).bit_length())
     nsplit = splits(batch * heads, slots, q.device)
-    block = BLOCK_S["cuda" if q.device.type == "cuda" else "cpu"]
+    tiles = TILES["cuda" if q.device.type == "cuda" else "cpu"]
+    block, launch = tiles["block"], dict(num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
     split_size = triton.cdiv(triton.cdiv(slots, nsplit), block) * block
     q2 = q.reshape(batch, q_heads, dim)
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -199,12 +209,13 @@ def _decode_op(
                    q2.stride(0), q2.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
                    values.stride(0), values.stride(1), values.stride(2), *sstr, *pstr,
                    heads, slots, split_size, scaling, G=group, G_PAD=g_pad, D=dim, DV=dv, NSPLIT=nsplit,
-                   BLOCK=block, HAS_POS=pos is not None, INT8=int8, IEEE=ieee)  # fmt: skip
+                   BLOCK=block, HAS_POS=pos is not None, INT8=int8, IEEE=ieee, **launch)  # fmt: skip
     scores = torch.empty(batch, heads, slots if want_scores else 0, **f32)
     last = torch.empty(batch, heads, slots if want_last else 0, **f32)
     _merge[grid](m, total, acc, logits, out, scores, last, out.stride(0), out.stride(1), scores.stride(0),
                  scores.stride(1), last.stride(0), last.stride(1), heads, slots, split_size, G=group, G_PAD=g_pad,
-                 DV=dv, NSPLIT=nsplit, BLOCK=block, WANT_SCORES=want_scores, WANT_LAST=want_last)  # fmt: skip
+                 DV=dv, NSPLIT=nsplit, BLOCK=block, WANT_SCORES=want_scores, WANT_LAST=want_last,
+                 num_warps=4)  # fmt: skip
     return out.view(batch, 1, q_heads, dv), scores, last
 
 

@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-TILES = {"cuda": (64, 128, 8), "cpu": (32, 32, 4)}  # queries and keys per tile, warps: a GPU's; the interpreter's
+# queries and keys per tile, warps, pipeline stages: a GPU's (results/gpu/ tunes them), the interpreter's
+TILES = {"cuda": dict(BM=64, BN=128, num_warps=8, num_stages=3), "cpu": dict(BM=32, BN=32, num_warps=4, num_stages=1)}
 LOG2E = 1.4426950408889634
 
 
@@ -69,26 +70,44 @@ def _key_scores(Q, K, POS, QPOS, LSE, SCORES, sqb, sqh, sqn, skb, skh, sks, spb,
     bh = tl.program_id(0)
     b = bh // heads
     h = bh % heads
-    j = tl.program_id(1) * BN + tl.arange(0, BN)
+    j0 = tl.program_id(1) * BN
+    j = j0 + tl.arange(0, BN)
     d = tl.arange(0, D)
     k = tl.load(K + b * skb + h * skh + j[:, None] * sks + d[None, :], mask=(j < width)[:, None], other=0.0)
     pos = tl.load(POS + b * spb + h * sph + j, mask=j < width, other=-1)
-    first = tl.maximum(score_from, tl.program_id(1) * BN - new_from)  # the first query that can see these keys
-    acc = tl.zeros([BN], tl.float32)
+    kbias = tl.where(pos >= 0, 0.0, float("-inf"))  # empty slots and slots past the new tokens
+    first = tl.maximum(score_from, j0 - new_from)  # the first query that can see one of these keys
+    # queries from `past` on see every key of the tile (old slots precede every new token; new token i sits in
+    # slot new_from + i): only the tiles before it need the causal mask. A sliding window masks every tile.
+    past = tl.maximum(first, j0 + BN - 1 - new_from)
+    masked_end = tl.minimum(first + tl.cdiv(past - first, BM) * BM, n)
+    if WINDOW:
+        masked_end = n
+    acc = tl.zeros([BM, BN], tl.float32)
     for g in range(G):
-        hq = h * G + g
-        for i0 in range(first, n, BM):
+        base = Q + b * sqb + (h * G + g) * sqh
+        lse_base = LSE + (b * heads * G + h * G + g) * n
+        for i0 in range(first, masked_end, BM):
             i = i0 + tl.arange(0, BM)
-            q = tl.load(Q + b * sqb + hq * sqh + i[:, None] * sqn + d[None, :], mask=(i < n)[:, None], other=0.0)
+            q = tl.load(base + i[:, None] * sqn + d[None, :], mask=(i < n)[:, None], other=0.0)
+            lse2 = tl.load(lse_base + i, mask=i < n, other=float("inf"))  # a row past the prompt adds 0
             qpos = tl.load(QPOS + b * sqpb + i, mask=i < n, other=-1)
-            lse2 = tl.load(LSE + (b * heads * G + hq) * n + i, mask=i < n, other=float("inf"))
             if IEEE:
-                s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * scale2
+                s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
             else:
-                s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale2
-            p = tl.exp2(s - lse2[:, None])
-            acc += tl.sum(tl.where(_visible(pos, qpos, i, n, WINDOW, window), p, 0.0), 0)
-    tl.store(SCORES + b * ssb + h * ssh + j, acc, mask=j < width)
+                s = tl.dot(q, tl.trans(k.to(q.dtype)))
+            p = tl.exp2(s * scale2 + kbias[None, :] - lse2[:, None])
+            acc += tl.where(_visible(pos, qpos, i, n, WINDOW, window), p, 0.0)
+        for i0 in range(masked_end, n, BM):
+            i = i0 + tl.arange(0, BM)
+            q = tl.load(base + i[:, None] * sqn + d[None, :], mask=(i < n)[:, None], other=0.0)
+            lse2 = tl.load(lse_base + i, mask=i < n, other=float("inf"))
+            if IEEE:
+                s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k.to(q.dtype)))
+            acc += tl.exp2(s * scale2 + kbias[None, :] - lse2[:, None])
+    tl.store(SCORES + b * ssb + h * ssh + j, tl.sum(acc, 0), mask=j < width)
 
 
 def supported(q: torch.Tensor, keys: torch.Tensor) -> bool:
@@ -117,13 +136,13 @@ def key_scores(q, keys, pos, qpos, lse2, *, scaling: float, new_from: int, score
     heads, slots = keys.shape[1], keys.shape[2]
     width = new_from + n
     scores = torch.zeros(batch, heads, slots, dtype=torch.float32, device=q.device)
-    block_m, block_n, warps = TILES["cuda" if q.device.type == "cuda" else "cpu"]
-    grid = (batch * heads, triton.cdiv(width, block_n))
+    tiles = TILES["cuda" if q.device.type == "cuda" else "cpu"]
+    grid = (batch * heads, triton.cdiv(width, tiles["BN"]))
     _key_scores[grid](q, keys, pos, qpos, lse2.contiguous(), scores, q.stride(0), q.stride(1), q.stride(2),
                       keys.stride(0), keys.stride(1), keys.stride(2), pos.stride(0), pos.stride(1), qpos.stride(0),
                       scores.stride(0), scores.stride(1), heads, n, new_from, width, score_from, window or 0,
                       scaling * LOG2E, G=q_heads // heads, D=dim, WINDOW=window is not None,
-                      IEEE=q.dtype == torch.float32, BM=block_m, BN=block_n, num_warps=warps)  # fmt: skip
+                      IEEE=q.dtype == torch.float32, **tiles)  # fmt: skip
     return scores
 
 

@@ -318,7 +318,8 @@ def attention_ops(context: int, shape: str, device, dtype) -> dict:
     return res
 
 
-def study(shape: str, context: int, batch: int, steps: int, device, dtype, log) -> None:
+def study(shape: str, context: int, batch: int, steps: int, device, dtype, log, only=None) -> None:
+    """Run the cells of one shape (`only`: those named), logging a row per cell."""
     model = make_model(shape, device, dtype)
     cells = [
         ("static", lambda: run_stock(model, "static", context, batch, steps, False, device)),
@@ -338,7 +339,7 @@ def study(shape: str, context: int, batch: int, steps: int, device, dtype, log) 
     ]  # fmt: skip
     done: dict[str, dict] = {}
     for name, cell in cells:
-        if name in SKIP.get(shape, ()):
+        if name in SKIP.get(shape, ()) if only is None else name not in only:
             continue
         begin = time.perf_counter()
         try:

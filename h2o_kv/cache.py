@@ -82,7 +82,7 @@ class KVCache(Cache):
         batch, _, n, _ = key_states.shape
         # A compiled or captured step trusts the eager calls before it (transformers' generate hands a compiled step
         # a mask it built outside, so no mark is made inside).
-        traced = capturing() and bool(self.layers) and self.layers[0].is_initialized
+        traced = capturing() and len(self.layers) > 0 and self.layers[0].is_initialized
         if stale or (layer_idx == 0 and not traced and take_forward_mark() not in ((batch, n), (1, n))):
             raise RuntimeError(
                 "h2o_kv.KVCache needs the model's attention to go through h2o-kv to see attention scores: "

@@ -14,12 +14,14 @@ Visibility is the cache's (docs/eviction.md): query i at position qpos_i sees sl
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 # queries and keys per tile, warps, pipeline stages: a GPU's (results/gpu/ tunes them), the interpreter's
-TILES = {"cuda": dict(BM=64, BN=128, num_warps=8, num_stages=3), "cpu": dict(BM=32, BN=32, num_warps=4, num_stages=1)}
+TILES = {"cuda": dict(BM=64, BN=128, num_warps=4, num_stages=3), "cpu": dict(BM=32, BN=32, num_warps=4, num_stages=1)}
 LOG2E = 1.4426950408889634
 
 
@@ -147,12 +149,40 @@ def key_scores(q, keys, pos, qpos, lse2, *, scaling: float, new_from: int, score
 
 
 def flash_with_lse(q, keys, values, *, scaling: float):
-    """A whole causal prompt's attention through flash attention on a GPU, with its log-sum-exp in base 2:
-    (out [B, Hq, n, Dv], lse2 [B, Hq, n]), or None where that kernel does not apply (CPU, float32, sizes)."""
+    """A whole causal prompt's attention on a GPU with its log-sum-exp in base 2: (out [B, Hq, n, Dv],
+    lse2 [B, Hq, n]) from cuDNN's attention where this GPU runs it (what SDPA picks on Hopper), else from the flash
+    kernel; None where neither applies (CPU, float32, head size over 256)."""
     if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16) or keys.shape[-1] > 256:
         return None
     group = q.shape[1] // keys.shape[1]
-    if group > 1:  # the flash kernel wants one key head per query head
+    if group > 1:  # these kernels want one key head per query head
         keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, keys, values, 0.0, True, False, scale=scaling)[:2]
-    return out, lse * LOG2E
+    kernel = _cudnn if cudnn_lse(q.device.index or 0) else _flash
+    out, lse = kernel(q, keys, values, scaling)
+    return out, lse.reshape(q.shape[:3]) * LOG2E
+
+
+def _cudnn(q, keys, values, scaling: float):
+    return torch.ops.aten._scaled_dot_product_cudnn_attention(q, keys, values, None, True, 0.0, True, False,
+                                                              scale=scaling)[:2]  # fmt: skip
+
+
+def _flash(q, keys, values, scaling: float):
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, keys, values, 0.0, True, False, scale=scaling)[:2]
+
+
+@functools.cache
+def cudnn_lse(device: int) -> bool:
+    """Whether cuDNN's attention runs on this GPU and returns the output and natural log-sum-exp it should (checked
+    once on a small causal input against the math): a capability probe, so RuntimeError means "not here"."""
+    gen = torch.Generator(device=f"cuda:{device}").manual_seed(0)
+    q, k, v = torch.randn(3, 1, 2, 128, 64, device=f"cuda:{device}", generator=gen, dtype=torch.bfloat16)
+    try:
+        out, lse = _cudnn(q, k, v, 0.125)
+    except RuntimeError:
+        return False
+    logits = (q.float() @ k.float().mT) * 0.125
+    logits = logits.masked_fill(torch.ones(128, 128, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    ref_out = torch.softmax(logits, -1) @ v.float()
+    good_lse = torch.allclose(lse.float().reshape(1, 2, 128), logits.logsumexp(-1), atol=2e-2)
+    return good_lse and torch.allclose(out.float(), ref_out, atol=3e-2)

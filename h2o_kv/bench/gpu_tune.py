@@ -116,32 +116,19 @@ def main(argv=None) -> None:
 
     log(dict(cell="machine", gpu=torch.cuda.get_device_name(), torch=torch.__version__,
              copy_bytes_s=gpu.copy_rate(device, 1 << 32)))  # fmt: skip
+    llama = {"attention-ops", "prefill", "static", "h2o-captured"}
+    if not args.no_sweep:
+        llama |= {"h2o-int8-captured", "h2o-same-memory"}
     context, batch, steps = gpu.RUNS["llama3-8b"]
-    gpu.study(
-        "llama3-8b",
-        context,
-        batch,
-        steps,
-        device,
-        torch.bfloat16,
-        log,
-        only={"static", "h2o-captured", "h2o-int8-captured", "h2o-same-memory", "attention-ops", "prefill"},
-    )
-    try:
-        profile_prefill(args.out, device)
-    except Exception:
-        traceback.print_exc()
+    gpu.study("llama3-8b", context, batch, steps, device, torch.bfloat16, log, only=llama)
+    if not args.no_sweep:
+        try:
+            profile_prefill(args.out, device)
+        except Exception:
+            traceback.print_exc()
+    smol = {"generate-compiled", "static-compiled", "h2o-compiled", "h2o-captured", "check-captured"}
     context, batch, steps = gpu.RUNS["smollm2-135m"]
-    gpu.study(
-        "smollm2-135m",
-        context,
-        batch,
-        steps,
-        device,
-        torch.bfloat16,
-        log,
-        only={"static-compiled", "h2o-captured", "h2o-compiled", "check-captured", "generate-compiled"},
-    )
+    gpu.study("smollm2-135m", context, batch, steps, device, torch.bfloat16, log, only=smol)
     from .gpu_report import report
 
     (args.out / "tables.md").write_text(report(rows))

@@ -6,4 +6,4 @@ set -o pipefail
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-timeout ${TUNE_TIMEOUT:-300} python3 -m h2o_kv.bench.gpu_tune --out "$OUT" 2>&1 | tee "$OUT/tune.log" | grep -v '^{\|^decode \|^key_scores ' | tail -60
+timeout ${TUNE_TIMEOUT:-300} python3 -m h2o_kv.bench.gpu_tune --out "$OUT" $TUNE_ARGS 2>&1 | tee "$OUT/tune.log" | grep -v '^{\|^decode \|^key_scores ' | tail -60

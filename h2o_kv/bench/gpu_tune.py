@@ -91,6 +91,7 @@ def profile_prefill(out: Path, device, context: int = 32768) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--no-sweep", action="store_true", help="the committed tiles; only the study's cells")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
@@ -98,8 +99,9 @@ def main(argv=None) -> None:
     defaults = dict(triton_decode.TILES["cuda"]), dict(triton_scores.TILES["cuda"])
     decode = scores = None
     try:  # a failed sweep is printed and the study runs on the default tiles
-        decode = tune_decode(device)
-        scores = tune_scores(device)
+        if not args.no_sweep:
+            decode = tune_decode(device)
+            scores = tune_scores(device)
     except Exception:
         traceback.print_exc()
     triton_decode.TILES["cuda"] = decode["llama3-8b"]["tiles"] if decode else defaults[0]

@@ -27,7 +27,7 @@ demo: setup
 
 test: setup
 	$(BIN)/ruff check h2o_kv tests
-	$(WITH_VENV) $(BIN)/python -m pytest -q --durations=25
+	$(WITH_VENV) $(BIN)/python -m pytest -q -n 2 --durations=25  # pytest-xdist: the tests over two processes
 
 lint: setup
 	$(BIN)/ruff check h2o_kv tests

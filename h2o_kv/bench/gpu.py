@@ -353,6 +353,23 @@ def study(shape: str, context: int, batch: int, steps: int, device, dtype, log, 
             torch.cuda.empty_cache()
 
 
+def logger(out: Path, device: torch.device):
+    """(the rows so far, a function that keeps a row, prints it and appends it to out/gpu.jsonl); on a GPU the
+    first row names the machine and its measured copy rate."""
+    rows = []
+
+    def log(row: dict) -> None:
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        with open(out / "gpu.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    if device.type == "cuda":
+        log(dict(cell="machine", gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                 copy_bytes_s=copy_rate(device, 1 << 32)))  # fmt: skip
+    return rows, log
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -376,17 +393,7 @@ def main(argv=None) -> None:
         device, dtype = torch.device("cuda"), torch.bfloat16
         runs = {name: RUNS[name] for name in args.shapes.split(",")}
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = []
-
-    def log(row):
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        with open(args.out / "gpu.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
-
-    if device.type == "cuda":
-        log(dict(cell="machine", gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                 copy_bytes_s=copy_rate(device, 1 << 32)))  # fmt: skip
+    rows, log = logger(args.out, device)
     torch.set_grad_enabled(False)
     for shape, (context, batch, steps) in runs.items():
         study(shape, context, batch, steps, device, dtype, log)

@@ -108,16 +108,7 @@ def main(argv=None) -> None:
     triton_scores.TILES["cuda"] = scores["tiles"] if scores else defaults[1]
     (args.out / "tune.json").write_text(json.dumps(dict(decode=decode, key_scores=scores), indent=1))
     print(json.dumps(dict(decode=decode, key_scores=scores)), flush=True)
-    rows = []
-
-    def log(row):
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        with open(args.out / "gpu.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
-
-    log(dict(cell="machine", gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-             copy_bytes_s=gpu.copy_rate(device, 1 << 32)))  # fmt: skip
+    rows, log = gpu.logger(args.out, device)
     llama = {"attention-ops", "prefill", "static", "h2o-captured"}
     if not args.no_sweep:
         llama |= {"h2o-int8-captured", "h2o-same-memory"}

@@ -1,18 +1,15 @@
 """Keep freed memory in the process instead of handing it back to the OS page by page (glibc only).
 
 glibc serves every allocation above its mmap threshold (at most 32 MiB) with fresh pages from the OS and
-unmaps them when freed. A prompt's activations are far above that (SmolLM2-135M at 4 x 4096 tokens: 38 MB
-per hidden state, 100 MB per MLP intermediate, about 800 MB per layer), so every layer of every prefill
-touches new pages, and each first touch is a page fault: 7.6-8.0 million of them in one such prefill on the
-2-core VM this project benchmarks on, 0.24-0.30 million with freed memory kept, and the prefill 22-23 % faster
-(`results/bench-static/probes/prefill_faults.txt`).
-Decode steps allocate little and fault almost never (`probes/decode_faults.txt`).
+unmaps them when freed. A long prompt's activations are far above that, so every layer of every prefill
+touches new pages, and each first touch is a page fault (docs/performance.md has the counts). Decode steps
+allocate little and fault almost never.
 
 `retain_freed_memory()` asks glibc (mallopt) to serve large blocks from its heap too and to keep the
 heap's freed top, so the next prompt reuses pages already mapped: what jemalloc and tcmalloc, which
 PyTorch's CPU performance guides preload, do by default. The resident size then stays at its high-water
 mark rather than falling between prompts, and a prompt's peak is higher (the heap grows once more before freed
-blocks fit again: about 300 MB at 4 x 4096, `results/bench-static/retained-rows-first/`). It is
+blocks fit again). It is
 process-wide, so the library never calls it on import; the `h2o-kv` command does at its start, for every
 subcommand (generate, serve, eval, bench), unless the environment sets `H2O_KV_MALLOC=system`.
 """

@@ -109,20 +109,6 @@ class KVCache(Cache):
                 "a cache belongs to one model and one batch; use a new KVCache"
             )
 
-    def steady_plans(self, layers: int, batch: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device):
-        """Each layer's `steady_plan` when all `layers` layers (this cache's, every one at the same column) can
-        take the next decode step inside `native.model_step` (fused_model.py); None otherwise (the per-layer path,
-        whose checks raise what is wrong)."""
-        if len(self.layers) != layers or not layers or any(layer.seen != self.layers[0].seen for layer in self.layers):
-            return None
-        plans = []
-        for layer in self.layers:
-            plan = layer.steady_plan(batch, heads, dim, dtype, device)
-            if plan is None:
-                return None
-            plans.append(plan)
-        return plans
-
     # -- sequences in and out of a running batch (continuous batching) --------------------------------
     @property
     def batch_size(self) -> int:

@@ -8,7 +8,7 @@ import textwrap
 import time
 from collections.abc import Sequence
 
-from . import policies, rows_first
+from . import policies
 from .allocator import retain_freed_memory
 from .engine import Engine
 from .generation import Sampling, encode
@@ -122,7 +122,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_device(args.device)
     check_model(args.model)
     model, tokenizer = load_model(  # tensor parallel under torchrun
-        args.model, device=args.device, tp_plan=default_tp_plan(), rows_first=args.rows_first
+        args.model, device=args.device, tp_plan=default_tp_plan()
     )
     policy = policy_from_args(args)
     if args.sample:
@@ -257,7 +257,7 @@ def _add_policy_flags(parser: argparse.ArgumentParser) -> None:
         "--policy",
         default=None,
         choices=policies.NAMES,
-        help=f"default {DEFAULT_POLICY} (the best in results/beyond), or h2o with --heavy/--recent",
+        help=f"default {DEFAULT_POLICY} (the best in docs/accuracy.md), or h2o with --heavy/--recent",
     )
     parser.add_argument(
         "--budget",
@@ -300,7 +300,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     gen.add_argument("--temperature", type=_float_in(0.0, 100.0), default=0.7)
     gen.add_argument("--no-chat", dest="chat", action="store_false", help="do not apply the chat template")
-    gen.add_argument("--rows-first", action="store_true", help=rows_first.CLI_HELP)
     _add_policy_flags(gen)
     gen.set_defaults(func=cmd_generate)
 

@@ -49,12 +49,6 @@ def forward(
     kwargs = {}
     if positions is not None:
         kwargs["position_ids"] = positions
-    head = None if all_logits else _cpu_head(model)
-    if head is not None:  # the same logits, with the output projection read faster (see _cpu_head)
-        hidden = model.model(
-            input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True, **kwargs
-        ).last_hidden_state[:, -1]
-        return torch.mm(head, hidden.t()).t().float()
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -65,30 +59,6 @@ def forward(
     )
     logits = out.logits if all_logits else out.logits[:, -1]
     return logits.float()
-
-
-# Causal LMs whose logits are exactly `lm_head(hidden)` (no bias, no scaling; soft-capping is checked).
-PLAIN_HEAD_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma3_text"})
-
-
-def _cpu_head(model: torch.nn.Module) -> torch.Tensor | None:
-    """The output projection's weight [V, hidden] when `forward` may compute the last token's logits
-    itself, else None (the model's own forward then runs unchanged).
-
-    On CPU, MKL multiplies a few rows [B, hidden] by the transposed [V, hidden] weight several times
-    slower than it multiplies the weight by the transposed rows: for SmolLM2's 49,152 x 576 head at
-    batch 4, 24 ms against 9 ms (about 8 ms of a 120 ms decode step in the model). Same product.
-    """
-    if getattr(model, "_tp_size", None) or model.device.type != "cpu":  # tensor parallel: heads are sharded
-        return None
-    if getattr(model.config, "model_type", None) not in PLAIN_HEAD_MODELS:
-        return None
-    head = model.get_output_embeddings()
-    if type(head) is not torch.nn.Linear or head.bias is not None or type(head.weight.data) is not torch.Tensor:
-        return None  # a sharded (tensor-parallel), quantized or biased head: leave it to the model
-    if getattr(model.config, "final_logit_softcapping", None) is not None or not hasattr(model, "model"):
-        return None
-    return head.weight
 
 
 def prefill(model, cache: Cache, input_ids: torch.Tensor, *, chunk: int | None = None, start: int = 0) -> torch.Tensor:

@@ -22,10 +22,9 @@ EMULATED = (torch.bfloat16, torch.float16)  # on a CPU without native support th
 
 
 def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype the kernel's products run in: float32 on a CPU that emulates bfloat16/float16 products (a
-    prompt's attention with scores at 1024 x 4: 0.11 against 1.82 s per layer on an AVX2 CPU,
-    `results/bench-static/probes/bf16_attend.txt`), the storage's own dtype elsewhere (a GPU, or a CPU with
-    AVX-512 BF16 or AMX, where bfloat16 products are faster than float32 ones: 0.057 against 0.078 s)."""
+    """The dtype the kernel's products run in: float32 on a CPU that emulates bfloat16/float16 products (many
+    times slower than float32 ones there), the storage's own dtype elsewhere (a GPU, or a CPU with AVX-512 BF16
+    or AMX, where bfloat16 products are the faster ones)."""
     return torch.float32 if device.type == "cpu" and dtype in EMULATED and not native_products(dtype) else dtype
 
 
@@ -283,8 +282,7 @@ def widen(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 keys and values as `dtype` (torch has no int8 x float product on CPU), copied into `work`, a
     flat buffer of at least both sizes reused from call to call, when given: a fresh tensor of this size
-    is new memory the OS maps page by page, which costs several times the copy itself (one layer's keys
-    at 4096 tokens x batch 64 and 20 %: 21.7 against 1.3 ms on this CPU)."""
+    is new memory the OS maps page by page, which costs several times the copy itself."""
     if work is None:
         return keys.to(dtype), values.to(dtype)
     k, v = keys.numel(), values.numel()

@@ -250,7 +250,6 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     enable_h2o: bool = True,
     tp_plan: str | dict | None = None,
-    rows_first: bool = False,
 ) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)``: eval mode, left padding, pad token set, H2O patched in if asked.
 
@@ -260,8 +259,6 @@ def load_model(
     model by heads over the processes, each holding its share of the weights and of the KV cache on
     the device transformers binds it to; ``device`` then only sets the default dtype. A model whose
     heads do not divide by the number of processes is refused before loading (``h2o_kv.distributed``).
-    ``rows_first`` computes the decoder's linear layers weight-first at small batch on CPU, a faster
-    model step for every cache (``h2o_kv.rows_first``).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -287,8 +284,4 @@ def load_model(
         from h2o_kv.attention import enable
 
         enable(model)
-    if rows_first:
-        from h2o_kv.rows_first import use_rows_first
-
-        use_rows_first(model)
     return model, tokenizer

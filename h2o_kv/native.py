@@ -16,20 +16,14 @@ or read memory slower, than needed.
   slots only, reading the row once in the order it lies in memory; and `lowest_slots`, the slots such a row
   frees at a decode step (one pass in place of torch's topk, sort and compare); `pooled_decode_step`, a full
   head-pooled layer's whole decode step as `decode_step` is a uniform layer's.
-- `rows_linear` (`csrc/rows_linear.cpp`): a linear layer for the few rows of a decode step (rows_first.py).
-  MKL's products at 4 rows read the weights at about half the memory's speed; this kernel streams each
-  weight row once. `layer_in` and `layer_out` (same file): a Llama decoder layer's decode step around the
-  cache (fused_layer.py), its norms, rotary embedding, SiLU and residuals with those products.
 - `prompt_attend` (`csrc/prompt_attend.cpp`): a prompt's attention with every query's probabilities summed per slot
   (H2O's scores), per (sequence, KV head) on tiles of queries inside the core's cache; the blocked torch path's
   batched products at its shapes run at about half SDPA's speed.
-- `model_step` (`csrc/model_step.cpp`): a Llama model's whole steady decode step over a `KVCache` (fused_model.py):
-  each layer's `layer_in`, `decode_step` and `layer_out` in turn in one call, without the Python between them.
 
 They are built at the first prompt or decode step that needs them on a CPU, with torch's extension builder (ninja
-and a C++ compiler; 20-90 s once per machine, then loaded from torch's extension cache, `TORCH_EXTENSIONS_DIR`,
+and a C++ compiler; once per machine, then loaded from torch's extension cache, `TORCH_EXTENSIONS_DIR`,
 `build_folder`), for this machine's vector width (torch's `get_cpu_capability`: AVX-512 or AVX2), and registered
-as `torch.ops.h2o_kv.*`. `KVCache` and `use_rows_first` take `compile_kernel` (`resolve`): None uses them where
+as `torch.ops.h2o_kv.*`. `KVCache` takes `compile_kernel` (`resolve`): None uses them where
 they can be built (`missing()`), False keeps torch's path, True requires them.
 """
 
@@ -47,15 +41,8 @@ from pathlib import Path
 
 import torch
 
-#: The most rows (batch x new tokens) rows-first's products (`rows_linear`) and the fused layer and model steps
-#: take: on the 2-core CPU this project benchmarks on, the kernel's products are 3x MKL's `F.linear` at 4 rows,
-#: 1.6x at 20 and even at 64 (`results/bench-static/probes/rows_vs_mkl.txt`); above (a prefill, a larger batch),
-#: the stock product.
-MAX_ROWS = 64
-
 SOURCES = [
-    Path(__file__).parent / "csrc" / name
-    for name in ("attend_one.cpp", "pooled_attend.cpp", "rows_linear.cpp", "model_step.cpp", "prompt_attend.cpp")
+    Path(__file__).parent / "csrc" / name for name in ("attend_one.cpp", "pooled_attend.cpp", "prompt_attend.cpp")
 ]
 HEADERS = [Path(__file__).parent / "csrc" / "kernels.h"]
 _lock = threading.Lock()
@@ -78,7 +65,7 @@ def missing() -> str | None:
 def resolve(compile_kernel: bool | None) -> bool:
     """Whether to use the kernels: None where they can be built, True always (an error where they cannot),
     False never. Callers build or load them (`load`) only when a CPU step first needs one (a cache's first
-    prompt or decode step, `use_rows_first`'s swap, the engine's start), so a cache on a GPU never builds them."""
+    prompt or decode step, the engine's start), so a cache on a GPU never builds them."""
     if compile_kernel is not None and not isinstance(compile_kernel, bool):
         raise TypeError(f"compile_kernel must be None, True or False, got {compile_kernel!r}")
     if compile_kernel is False:
@@ -308,41 +295,3 @@ def lowest_slots(priority: torch.Tensor, k: int) -> tuple[torch.Tensor, bool]:
     load()
     slots, tied = torch.ops.h2o_kv.lowest_slots(priority, k)
     return slots, bool(tied)
-
-
-def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [R, K] @ weight[N, K]^T (+ bias [N]) for a few rows, all float32 or all bfloat16: [R, N] in that dtype,
-    summed in float32 in the same order whatever the other rows (`csrc/rows_linear.cpp`)."""
-    load()
-    return torch.ops.h2o_kv.rows_linear(x, weight, bias)
-
-
-def model_step(
-    hidden: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    weights: list[torch.Tensor],
-    biases: list[torch.Tensor | None],
-    eps: list[float],
-    scaling: list[float],
-    head_dim: int,
-    caches: list,
-    steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-    *,
-    ops=None,
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """A Llama model's steady decode step (fused_model.py) in one call: per layer `layer_in` (9 `weights`: input
-    norm, q, k, v, o, post-attention norm, gate, up, down; 7 `biases`: q, k, v, o, gate, up, down; 2 `eps`: the
-    norms'), `decode_step` on `caches[i]` (a `KVLayer`, in place) with `steps[i]` (its `begin_steady`: slots,
-    positions, recent) and `scaling[i]`, then `layer_out`. hidden [B, 1, K] and cos, sin [B or 1, 1, head_dim] as the
-    decoder layers take them. Returns the last layer's output (before the final norm) and each layer's freed slots.
-    `ops`: the op namespace to call, `torch.ops.h2o_kv` unless given (probes build other versions under their own)."""
-    load()
-    out = (ops or torch.ops.h2o_kv).model_step(
-        hidden, cos.contiguous(), sin.contiguous(), weights, biases, eps, scaling, head_dim,
-        [c.keys for c in caches], [c.values for c in caches], [c.key_scale for c in caches],
-        [c.value_scale for c in caches], [c.pos for c in caches], [c.score for c in caches],
-        [c.last for c in caches], [s[0] for s in steps], [s[1] for s in steps], [s[2] for s in steps],
-        [c.capacity for c in caches],
-    )  # fmt: skip
-    return out[0], out[1:]

@@ -8,10 +8,11 @@ sum_j p_j s_j v8_j = (p * s) @ v8), so no dequantized copy of the storage is kep
 Torch has no int8 x float product on CPU. A decode step on a CPU therefore runs `native.attend_one`,
 h2o-kv's C++ kernel (csrc/attend_one.cpp, built at first use: native.py), which widens int8 to float in
 registers as it reads each (sequence, KV head) row, so the step reads the 4x fewer bytes and writes no
-float copy (`results/bench-static/probes/int8_kernel.txt`). Where it cannot be built, or with
+float copy. On a GPU the Triton decode kernel reads int8 the same way (backends/triton_decode.py). Where the
+C++ kernel cannot be built, or with
 `KVCache(..., compile_kernel=False)`, the eager path widens one layer's int8 keys and values to float at
-a time into a buffer the cache's layers share (`Settings.work`, `kernel.widen`); a prompt and a GPU take
-the eager path too.
+a time into a buffer the cache's layers share (`Settings.work`, `kernel.widen`); a prompt takes the eager
+path too.
 """
 
 from __future__ import annotations

@@ -76,14 +76,14 @@ class Steady:
         self.end_steady(freed)
         return out.to(query.dtype)
 
-    def _ranked_in_kernel(self, dtype: torch.dtype, device: torch.device, next_pos: torch.Tensor | None = None):
+    def _ranked_in_kernel(self, dtype: torch.dtype, device: torch.device):
         """The policy's `protected_recent` when this steady decode step (queries of `dtype` on `device`) runs as one
         C++ pass (`native.decode_step`): C++ kernels on this device that read this storage (float32, bfloat16 or
         int8), and a policy ranking by the undecayed score with the newest tokens kept (H2O, SnapKV); None
-        otherwise (the eager operations). `next_pos`: the step's (default: the layer's own, already advanced)."""
+        otherwise (the eager operations)."""
         if not self._kernels(device) or self.policy.decay != 1.0 or not self._step_storage(dtype, device):
             return None
-        return self.policy.protected_recent(self.slot_state(self.next_pos if next_pos is None else next_pos))
+        return self.policy.protected_recent(self.slot_state(self.next_pos))
 
     def _step_storage(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether `native.decode_step` reads this layer's storage for queries of `dtype` (`kernel.native_rows`:
@@ -95,37 +95,6 @@ class Steady:
         slots, self.vacant = self.vacant[0], None
         self.kept_bound += slots.shape[-1]
         return slots
-
-    # -- the whole model's decode step in one C++ call (fused_model.py, native.model_step) ---------------------
-    def steady_plan(self, batch: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device):
-        """What this layer's next decode step needs to run inside `native.model_step`, or None when it cannot
-        take it: a steady step (`_full`) of a uniform layer that `native.decode_step` takes (`_ranked_in_kernel`),
-        for one real new token per sequence of `batch` x `heads` KV heads of size `dim` in `dtype` on `device`,
-        as this layer holds them. Changes nothing; `begin_steady` takes the plan."""
-        if not (
-            self.is_initialized
-            and self.head is None
-            and self.pending is None
-            and self.prompt_len is not None
-            and self._full()
-            and self.keys.shape[0] == batch
-            and self.kv_heads == heads
-            and self.keys.shape[3] == self.values.shape[3] == dim
-            and self.dtype == dtype
-            and self.device == device
-        ):
-            return None
-        next_pos = self.next_pos + 1
-        recent = self._ranked_in_kernel(dtype, device, next_pos)
-        return None if recent is None else (next_pos, recent)
-
-    def begin_steady(self, plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The bookkeeping `forward_attention` and `_decode_full` do before a steady step's C++ pass (a decode
-        call, the next position, the vacant slots); returns the slots, the token's positions [B, 1] and `recent`."""
-        next_pos, recent = plan
-        qpos = self.next_pos.view(-1, 1)
-        self.decoded, self.next_pos, self.seen = True, next_pos, self.seen + 1
-        return self._take_vacant(), qpos, recent
 
     def end_steady(self, freed: torch.Tensor) -> None:
         """After the C++ pass: the slots it freed are where the next step writes."""

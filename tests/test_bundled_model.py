@@ -40,7 +40,9 @@ def test_budget_above_length_matches_stock_sdpa(smollm):
             stock = model(ids).logits
         finally:
             h2o_kv.enable(model)
-    torch.testing.assert_close(torch.cat(ours, dim=1), stock, atol=1e-4, rtol=1e-4)
+    # float32 through 30 layers, summed in another order (one call against a prompt then single tokens): about
+    # 1e-5 relative per layer on logits of magnitude 10-30, so 1e-3 absolute; a wrong kept token moves them by >0.1
+    torch.testing.assert_close(torch.cat(ours, dim=1), stock, atol=1e-3, rtol=1e-4)
 
 
 def test_h2o_at_20_percent_generates_and_frees_memory(smollm):
@@ -74,26 +76,3 @@ def test_cli_rejects_bad_flags_before_loading(capsys):
     assert "budget as tokens must be in [1, " in capsys.readouterr().err
     assert cli.main(["generate", "hi", "--model", "./missing-model"]) == 2
     assert "does not exist" in capsys.readouterr().err
-
-
-def test_rows_first_load_decodes_the_same_tokens(smollm):
-    """load_model(rows_first=True): the bundled model's greedy batch-2 answer is the stock model's."""
-    from h2o_kv.generation import forward
-    from h2o_kv.rows_first import RowsFirstLinear
-
-    model, tokenizer = smollm
-    swapped, _ = h2o_kv.load_model("smollm2-135m", rows_first=True)
-    assert (
-        sum(type(m) is RowsFirstLinear for m in swapped.modules()) == 7 * swapped.config.num_hidden_layers + 1
-    )  # + head
-    ids = torch.stack([tokenizer(text, return_tensors="pt").input_ids[0, :40] for text in (PROMPT, PROMPT[::-1])])
-    runs = []
-    with torch.no_grad():
-        for m in (model, swapped):
-            cache, tokens, logits = h2o_kv.KVCache(h2o_kv.H2O(heavy=8, recent=8)), ids, []
-            for _ in range(8):
-                logits.append(forward(m, cache, tokens))
-                tokens = logits[-1].argmax(-1, keepdim=True)
-            runs.append(torch.stack(logits, 1))
-    torch.testing.assert_close(runs[1], runs[0], atol=1e-3, rtol=1e-4)
-    assert torch.equal(runs[1].argmax(-1), runs[0].argmax(-1))

@@ -64,8 +64,8 @@ SCRIPT = textwrap.dedent(
 def test_core_runs_without_the_extras() -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[1]))
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, ",".join(BLOCKED)], capture_output=True, text=True, env=env, timeout=300
-    )
+        [sys.executable, "-c", SCRIPT, ",".join(BLOCKED)], capture_output=True, text=True, env=env, timeout=1800
+    )  # the limit only catches a hang: a correct run took 300 s on a loaded 2-core machine
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["new_tokens"] == 5 and result["seen"] == 44 and result["kept"] == 8

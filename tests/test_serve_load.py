@@ -156,7 +156,7 @@ def test_sigterm_ends_the_server_process_without_a_traceback(model, tokenizer, t
     model.save_pretrained(tmp_path / "tiny")
     tokenizer.save_pretrained(tmp_path / "tiny")
     cmd = [sys.executable, "-m", "h2o_kv.cli", "serve", "--model", str(tmp_path / "tiny"), "--served-model-name",
-           MODEL, "--port", "0", "--drain-timeout", "1", "--rows-first"]  # fmt: skip
+           MODEL, "--port", "0", "--drain-timeout", "1"]  # fmt: skip
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
     try:

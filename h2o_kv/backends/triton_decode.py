@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-# slots per tile, warps, pipeline stages, programs per multiprocessor: a GPU's (results/gpu/ tunes them); the
+# slots per tile, warps, pipeline stages, programs per multiprocessor: a GPU's (bench/gpu_tune.py sweeps them); the
 # interpreter's (smaller tiles: more of the code runs in the tests' small shapes)
 TILES = {"cuda": dict(block=128, num_warps=4, num_stages=3, per_sm=4), "cpu": dict(block=32, num_warps=4, num_stages=1)}
 

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-# queries and keys per tile, warps, pipeline stages: a GPU's (results/gpu/ tunes them), the interpreter's
+# queries and keys per tile, warps, pipeline stages: a GPU's (bench/gpu_tune.py sweeps them), the interpreter's
 TILES = {"cuda": dict(BM=64, BN=128, num_warps=4, num_stages=3), "cpu": dict(BM=32, BN=32, num_warps=4, num_stages=1)}
 LOG2E = 1.4426950408889634
 

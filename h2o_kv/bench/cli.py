@@ -13,7 +13,6 @@ import torch
 
 from h2o_kv.policies import parse_budget
 from h2o_kv.report import missing_extra
-from h2o_kv.rows_first import CLI_HELP as ROWS_FIRST_HELP
 
 from .config import EXTRA_POLICIES, POLICIES, SIZES, check_run
 from .soak import add_soak_arguments
@@ -88,11 +87,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="model and KV dtype (default: float32 on CPU, bfloat16 on CUDA)",
     )
     add(
-        "--rows-first",
-        action="store_true",
-        help=ROWS_FIRST_HELP + " (the stock caches' model too)",
-    )
-    add(
         "--interleave",
         action="store_true",
         help="hold every policy's cache at once and decode them in turn, one step each, so a machine that "
@@ -147,7 +141,7 @@ def main(args: argparse.Namespace) -> int:
     check_run(args.policies, args.budget, threads=args.threads, prefill_chunk=args.prefill_chunk,
               memory_cap_gb=args.memory_cap_gb, **sizes)  # fmt: skip
     started = time.perf_counter()
-    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, rows_first=args.rows_first)
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     rows = run_bench(
         model,
         tokenizer,

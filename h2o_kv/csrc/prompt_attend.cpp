@@ -3,8 +3,8 @@
 //
 // H2O's scores need every query's attention probabilities summed per slot, which torch's fused attention
 // (SDPA) never materialises; kernel.attend's blocked path computes them with three batched products over
-// blocks of a few queries across the whole batch, and the products at those shapes run at about half the
-// speed SDPA's do (results/bench-static/probes/prompt_attention.txt). This kernel works per (sequence, KV
+// blocks of a few queries across the whole batch, and the products at those shapes run slower than SDPA's
+// do. This kernel works per (sequence, KV
 // head) on a tile of queries (the group's query heads of QT consecutive queries, R rows) at a time, inside the
 // core's cache: the logits against the slots the tile sees (one MKL product), then per row the mask, maximum,
 // exp and sum in one pass, the output (a second product) and the probabilities added into the slots' scores.

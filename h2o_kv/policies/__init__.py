@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 NAMES = ("h2o", "snapkv", "adakv", "pyramidkv", "globalkv", "local", "streamingllm", "tova", "full")
-DEFAULT = "globalkv"  # the default of generate, demo, the engine and serve: the best in results/beyond
+DEFAULT = "globalkv"  # the default of generate, demo, the engine and serve: the best in docs/accuracy.md
 
 Budget = float | int | None  # None: the Full cache
 

@@ -10,7 +10,7 @@ import argparse
 import re
 from pathlib import Path
 
-from .. import policies, rows_first
+from .. import policies
 from ..quant import KV_DTYPES
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -71,7 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..engine import Engine
     from ..models import load_model
 
-    model, tokenizer = load_model(args.model, device=args.device, rows_first=args.rows_first)
+    model, tokenizer = load_model(args.model, device=args.device)
     engine = Engine(model, tokenizer, **settings)
     app = create_app(engine, args.served_model_name or served_name(args.model))
     Server.for_app(app, engine, host=args.host, port=args.port, drain_timeout=args.drain_timeout,
@@ -111,11 +111,6 @@ def add_parser(sub) -> None:
     serve.add_argument("--max-batch", type=int, default=16, help="most sequences decoding together (default 16)")
     serve.add_argument(
         "--prefill-chunk", type=int, default=256, help="prompt tokens per prefill step between decode steps"
-    )
-    serve.add_argument(
-        "--rows-first",
-        action="store_true",
-        help=rows_first.CLI_HELP,
     )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)

@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 # the venv's tools first on PATH, as activating it would: torch's extension builder finds the venv's ninja
-# (the `dev` extra) there to build h2o-kv's C++ kernels (h2o_kv/native.py)
+# (the `dev` extra) there to build h2o-kv's C++ kernels (h2o_kv/backends/native.py)
 WITH_VENV := PATH="$(CURDIR)/$(BIN):$$PATH"
 
 .PHONY: setup demo test lint bench eval clean

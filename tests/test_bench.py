@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from h2o_kv import bench
+from h2o_kv.studies import bench
 
 from conftest import VOCAB, make_model, random_ids
 
@@ -222,7 +222,7 @@ def test_chunked_prefill_keeps_the_same_accounting(run):
 
 
 def test_roofline_is_weights_plus_kept_kv_over_bandwidth():
-    from h2o_kv.bench import add_roofline
+    from h2o_kv.studies.bench import add_roofline
 
     rows = [dict(kv_bytes=1_000_000, step_ms_last=4.0), dict(kv_bytes=0, step_ms_last=None)]
     add_roofline(rows, weight_bytes=3_000_000, bandwidth=2e9)
@@ -237,7 +237,7 @@ def test_roofline_is_weights_plus_kept_kv_over_bandwidth():
 def test_the_floor_is_read_in_turn_with_the_timed_steps():
     """One read after each round of the timed runs' decode steps (none in the warm-up run), at the reads' own
     thread count; the rates are the median and the best of them, and each count starts afresh."""
-    from h2o_kv.bench.timing import Reads
+    from h2o_kv.studies.bench.timing import Reads
 
     model = make_model("llama")
     ids = torch.randint(3, VOCAB, (2, 30), generator=torch.Generator().manual_seed(1))
@@ -286,19 +286,19 @@ def test_token_budget_threads_and_bfloat16():
 
 
 def test_missing_corpus_is_an_error_not_a_fallback(monkeypatch):
-    import h2o_kv.data
+    import h2o_kv.studies.data
 
     def broken(*args, **kwargs):
         raise FileNotFoundError("corpus not prepared: run h2o-kv setup")
 
-    monkeypatch.setattr(h2o_kv.data, "load_corpus", broken)
+    monkeypatch.setattr(h2o_kv.studies.data, "load_corpus", broken)
     with pytest.raises(FileNotFoundError, match="h2o-kv setup"):
         bench.run_bench(make_model("llama"), CharTokenizer(), prompt_lens=[20], gen_len=2, batch_sizes=[1])
 
 
 def test_int8_suffix_stores_int8_and_counts_its_scales():
-    from h2o_kv.bench.config import new_cache, policy_for
-    from h2o_kv.bench.memory import kv_bytes
+    from h2o_kv.studies.bench.config import new_cache, policy_for
+    from h2o_kv.studies.bench.memory import kv_bytes
 
     model = make_model("llama")
     ids = random_ids(1, 40)

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import h2o_kv
-from h2o_kv import models
-from h2o_kv.generation import chat_text, decode_step, prefill
-from h2o_kv.models import bundled_gguf_path
 from h2o_kv.policies import budget_tokens, build
+from h2o_kv.runtime import models
+from h2o_kv.runtime.generation import chat_text, decode_step, prefill
+from h2o_kv.runtime.models import bundled_gguf_path
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from h2o_kv import cli, models
+from h2o_kv import cli
+from h2o_kv.runtime import models
 
 H2O_KV = Path(sys.executable).with_name("h2o-kv")
 OFFLINE_ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}

@@ -16,7 +16,7 @@ from test_models_tiny import BIG, SMALL, check_left_padded_batch, decode
 from test_quantized import TOLERANCE as INT8_TOLERANCE
 
 import h2o_kv
-from h2o_kv.engine import Engine
+from h2o_kv.runtime.engine import Engine
 
 from conftest import make_model, make_tokenizer, random_ids
 from reference import reference_layer

@@ -1,4 +1,4 @@
-"""Tests for h2o_kv.data: local text sources, Gutenberg stripping and the Shakespeare corpus."""
+"""Tests for h2o_kv.studies.data: local text sources, Gutenberg stripping and the Shakespeare corpus."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from h2o_kv.data import load_corpus, load_texts, shakespeare_dir, strip_gutenberg
+from h2o_kv.studies.data import load_corpus, load_texts, shakespeare_dir, strip_gutenberg
 
 GUTENBERG_TEXT = """The Project Gutenberg EBook of Something, by Someone
 

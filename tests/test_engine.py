@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import h2o_kv
-from h2o_kv.engine import Engine
-from h2o_kv.generation import Sampling
+from h2o_kv.runtime.engine import Engine
+from h2o_kv.runtime.generation import Sampling
 
 from conftest import make_model, make_tokenizer, random_ids
 

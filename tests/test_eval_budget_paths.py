@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h2o_kv import bench, cli
-from h2o_kv.eval.decoding import new_cache
+from h2o_kv import cli
 from h2o_kv.policies import budget_tokens, parse_budget
+from h2o_kv.studies import bench
+from h2o_kv.studies.eval.decoding import new_cache
 
 from conftest import make_model, random_ids
 
@@ -44,8 +45,8 @@ def test_same_flag_same_capacity_and_split(policy: str, flag: str) -> None:
 @pytest.mark.parametrize("flag", ["1", "12", "0.2", "1.0"])
 def test_same_flag_same_kept_tokens_on_a_model(flag: str) -> None:
     """The caches really keep the same tokens: kept counts after a prompt and a few decode steps."""
-    from h2o_kv.cache import KVCache
-    from h2o_kv.generation import decode_step, prefill
+    from h2o_kv.cache.kvcache import KVCache
+    from h2o_kv.runtime.generation import decode_step, prefill
 
     model, ids = make_model("llama"), random_ids(1, PROMPT)
     kept = {}

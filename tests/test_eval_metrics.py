@@ -1,4 +1,4 @@
-"""Hand-checked cases for the text/token metrics in h2o_kv.eval.metrics."""
+"""Hand-checked cases for the text/token metrics in h2o_kv.studies.eval.metrics."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from functools import cache
 
 import pytest
 
-from h2o_kv.eval.metrics import agreement_until_divergence, lcs_length, rouge_l, rouge_l_tokens
+from h2o_kv.studies.eval.metrics import agreement_until_divergence, lcs_length, rouge_l, rouge_l_tokens
 
 
 def _lcs_reference(a: tuple, b: tuple) -> int:

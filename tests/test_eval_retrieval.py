@@ -1,4 +1,4 @@
-"""RULER-style retrieval generators and scoring (h2o_kv.eval.retrieval), checked without a model.
+"""RULER-style retrieval generators and scoring (h2o_kv.studies.eval.retrieval), checked without a model.
 
 The haystack is made-up text (seeded pseudo-words in sentences); token counts use whitespace words
 or a chars/4 estimate, so every expected value can be recomputed here by re-parsing the prompt.
@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
-from h2o_kv.eval.ruler import (
+from h2o_kv.studies.eval.ruler import (
     TASKS,
     TOKENS_TO_GENERATE,
     Sample,
@@ -304,8 +304,8 @@ def test_side_by_side_sizes_build_the_kvpress_export_samples(tiny_tokenizer):
     import importlib.util
     from pathlib import Path
 
-    from h2o_kv.eval.retrieval import make_samples
-    from h2o_kv.eval.sizes import SIZES
+    from h2o_kv.studies.eval.retrieval import make_samples
+    from h2o_kv.studies.eval.sizes import SIZES
 
     path = Path(__file__).resolve().parents[1] / "compare" / "kvpress" / "export_samples.py"
     spec = importlib.util.spec_from_file_location("export_samples", path)

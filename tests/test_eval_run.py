@@ -12,18 +12,18 @@ import torch
 import transformers as tf
 
 import h2o_kv
-from h2o_kv.eval import parse_budgets
-from h2o_kv.eval.decoding import greedy_generate, new_cache, teacher_forced_top1
-from h2o_kv.eval.fidelity import compare, run_fidelity
-from h2o_kv.eval.perplexity import perplexity_stats, stream_nll, text_windows
-from h2o_kv.eval.retrieval import make_samples, mean_by_task, score_batch
-from h2o_kv.eval.ruler import Sample
-from h2o_kv.eval.run import run_eval
-from h2o_kv.eval.sizes import FidelitySize, PerplexitySize, RetrievalSize, Size, SummarizeSize
-from h2o_kv.eval.summarize import load_jsonl, run_summarize
-from h2o_kv.eval.tables import COLUMNS
-from h2o_kv.generation import greedy_ids
 from h2o_kv.policies import budget_tokens
+from h2o_kv.runtime.generation import greedy_ids
+from h2o_kv.studies.eval import parse_budgets
+from h2o_kv.studies.eval.decoding import greedy_generate, new_cache, teacher_forced_top1
+from h2o_kv.studies.eval.fidelity import compare, run_fidelity
+from h2o_kv.studies.eval.perplexity import perplexity_stats, stream_nll, text_windows
+from h2o_kv.studies.eval.retrieval import make_samples, mean_by_task, score_batch
+from h2o_kv.studies.eval.ruler import Sample
+from h2o_kv.studies.eval.run import run_eval
+from h2o_kv.studies.eval.sizes import FidelitySize, PerplexitySize, RetrievalSize, Size, SummarizeSize
+from h2o_kv.studies.eval.summarize import load_jsonl, run_summarize
+from h2o_kv.studies.eval.tables import COLUMNS
 
 from conftest import make_model, random_ids
 
@@ -43,7 +43,7 @@ class WordTokenizer:
 @pytest.fixture(scope="module")
 def tokenizer():
     """The bundled model's tokenizer (loads in about a second once `make setup` converted the model)."""
-    from h2o_kv.models import _resolve, bundled_gguf_path
+    from h2o_kv.runtime.models import _resolve, bundled_gguf_path
 
     try:
         bundled_gguf_path()
@@ -301,7 +301,7 @@ def test_runner_writes_tables_and_plots(tiny_lm, tokenizer, corpus: Path, tmp_pa
 def test_cli_registers_eval_subcommand() -> None:
     import argparse
 
-    from h2o_kv.eval import cli
+    from h2o_kv.studies.eval import cli
 
     parser = argparse.ArgumentParser()
     cli.add_parser(parser.add_subparsers(dest="command"))
@@ -376,7 +376,7 @@ def test_an_unreadable_stored_cell_is_one_clear_error(tiny_lm, tokenizer, corpus
 
 
 def test_cell_key_follows_the_source_code(tmp_path) -> None:
-    from h2o_kv.eval import cells as cells_mod
+    from h2o_kv.studies.eval import cells as cells_mod
 
     calls = []
     store = cells_mod.Cells(tmp_path, {"code": "a"}, resume=True)

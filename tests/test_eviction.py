@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import h2o_kv
-from h2o_kv.layer import KVLayer, Settings
-from h2o_kv.pooled import PooledKVLayer
+from h2o_kv.cache.layer import KVLayer, Settings
+from h2o_kv.cache.pooled import PooledKVLayer
 
 from reference import reference_layer
 

@@ -7,7 +7,7 @@ import torch
 import transformers as tf
 
 import h2o_kv
-import h2o_kv.models
+import h2o_kv.runtime.models
 from h2o_kv import policies
 
 from conftest import make_model, random_ids
@@ -219,7 +219,9 @@ def test_assisted_decoding_is_refused(llama, extra):
 
 @pytest.mark.parametrize("device, message", [("meta", "holds no weights"), ("tpu9", "device"), ("quantum", "device")])
 def test_load_model_refuses_devices_that_cannot_hold_a_model(device, message, monkeypatch):
-    monkeypatch.setattr(h2o_kv.models, "_resolve", lambda name: pytest.fail("resolved a model for a bad device"))
+    monkeypatch.setattr(
+        h2o_kv.runtime.models, "_resolve", lambda name: pytest.fail("resolved a model for a bad device")
+    )
     with pytest.raises(ValueError, match=message):
         h2o_kv.load_model("smollm2-135m", device=device)
 

@@ -9,7 +9,7 @@ import torch
 from test_eviction import POLICIES, kept_positions, random_qkv, run_layer
 
 import h2o_kv
-from h2o_kv import kernel
+from h2o_kv.cache import attend as kernel
 
 from reference import reference_layer
 
@@ -123,7 +123,7 @@ def test_bfloat16_on_a_cpu_without_native_products_computes_in_float32(n, int8, 
     qpos = torch.arange(12 - n, 12).expand(2, n)
     options = dict(scaling=0.25, want_scores=True, new_from=12 - n if n > 1 else None)
     if int8:
-        (k8, v8), (ks, vs) = h2o_kv.quant.quantize(torch.stack((keys, values)))
+        (k8, v8), (ks, vs) = h2o_kv.cache.quant.quantize(torch.stack((keys, values)))
         options |= dict(key_scale=ks, value_scale=vs)
         keys, values = k8, v8
     work = torch.empty(keys.numel() + values.numel()) if n == 1 else None
@@ -143,7 +143,7 @@ def test_bfloat16_on_a_cpu_with_native_products_computes_in_bfloat16(int8, monke
     q = torch.randn(2, 4, 1, 16, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     options = dict(scaling=0.25, want_scores=True)
     if int8:
-        (k8, v8), (ks, vs) = h2o_kv.quant.quantize(torch.stack((keys, values)))
+        (k8, v8), (ks, vs) = h2o_kv.cache.quant.quantize(torch.stack((keys, values)))
         options |= dict(key_scale=ks, value_scale=vs, native_kernels=True)
         keys, values = k8, v8
     out, scores, _ = kernel.attend(q, keys, values, pos, torch.full((2, 1), 11), **options)
@@ -179,7 +179,7 @@ def test_pooled_kernel_equals_the_eager_path(batch, heads, group, slots, dim, so
     head's slots only, the row read in chunks of 256 slots) gives attend_one's output, scores and last-query
     attention (every head x slot pair, the other heads' slots masked), with empty slots, heads holding
     different numbers of slots, and a head holding none."""
-    from h2o_kv import native
+    from h2o_kv.backends import native
 
     gen = torch.Generator().manual_seed(slots)
     q = torch.randn(batch, heads * group, 1, dim, generator=gen)
@@ -207,7 +207,7 @@ def test_lowest_slots_equal_topk_then_sort(k):
     """native.lowest_slots (AdaKV's decode eviction): each row's k lowest priorities as slot indices in slot
     order, as torch's topk and sort give them, and a tie flagged exactly when a row's k-th and (k+1)-th lowest
     are equal (infinite ones included: masked slots)."""
-    from h2o_kv import native
+    from h2o_kv.backends import native
 
     gen = torch.Generator().manual_seed(k)
     for trial in range(40):
@@ -257,8 +257,8 @@ def test_decode_step_equals_the_eager_steady_step(case, dim, storage):
     into the vacant slot, attends, adds the scores and frees the oldest of the lowest priorities (score, the
     `recent` newest kept; an empty slot first within capacity), exactly as the eager operations do
     (steady.Steady._decode_full with compile_kernel=False: scatter, attention, add, amin/argmin, scatter)."""
-    from h2o_kv import native
-    from h2o_kv.quant import quantize
+    from h2o_kv.backends import native
+    from h2o_kv.cache.quant import quantize
 
     batch, heads, group, slots = 3, 2, 2, 24
     state = steady_state(batch, heads, slots, dim, seed=dim, ties=case == "ties", within=case == "within")
@@ -317,7 +317,7 @@ def test_pooled_decode_step_equals_the_eager_steady_step(case):
     """native.pooled_decode_step (AdaKV's steady step in one C++ call) writes the new token's heads into the
     vacant slots with their tags, attends (pooled_attend_one), adds the scores and frees each row's `heads`
     lowest priorities (lowest_slots), as the eager operations do; on a tie at the boundary it frees nothing."""
-    from h2o_kv import native
+    from h2o_kv.backends import native
 
     batch, heads, group, slots, dim = 2, 3, 2, 40, 16
     gen = torch.Generator().manual_seed(3)
@@ -361,14 +361,17 @@ def test_a_header_change_changes_the_build_flags(tmp_path):
     headers' contents in a flag so that a header's change alone rebuilds the kernels."""
     header = tmp_path / "kernels.h"
     header.write_text("int f();\n")
-    before = h2o_kv.native.headers_flag([header])
-    assert before == h2o_kv.native.headers_flag([header])
+    before = h2o_kv.backends.native.headers_flag([header])
+    assert before == h2o_kv.backends.native.headers_flag([header])
     header.write_text("int f(int);\n")
-    assert h2o_kv.native.headers_flag([header]) != before
-    assert all(path.exists() for path in h2o_kv.native.HEADERS)
-    with mock.patch.object(h2o_kv.native, "_loaded", False), mock.patch("torch.utils.cpp_extension.load") as build:
-        h2o_kv.native.load()
-    assert h2o_kv.native.headers_flag(h2o_kv.native.HEADERS) in build.call_args.kwargs["extra_cflags"]
+    assert h2o_kv.backends.native.headers_flag([header]) != before
+    assert all(path.exists() for path in h2o_kv.backends.native.HEADERS)
+    with (
+        mock.patch.object(h2o_kv.backends.native, "_loaded", False),
+        mock.patch("torch.utils.cpp_extension.load") as build,
+    ):
+        h2o_kv.backends.native.load()
+    assert h2o_kv.backends.native.headers_flag(h2o_kv.backends.native.HEADERS) in build.call_args.kwargs["extra_cflags"]
 
 
 @pytest.mark.parametrize(
@@ -389,7 +392,7 @@ def test_native_prompt_kernel_equals_the_blocked_path(batch, q_heads, kv_heads, 
     C++) gives the blocked torch path's output, scores and last-query attention: the causal triangle after
     `new_from` old slots, empty old slots masked, queries before `score_from` not scoring, tiles and parts that
     do not divide the prompt, a left-padded batch (padding queries at -1 see nothing)."""
-    from h2o_kv import native
+    from h2o_kv.backends import native
 
     dim = 64 if n > 100 else 16
     keys, values, pos = slots(batch, kv_heads, new_from, n, 3, dim, torch.float32, seed=n)
@@ -419,7 +422,7 @@ def test_native_prompt_kernel_equals_the_blocked_path(batch, q_heads, kv_heads, 
 def test_native_prompt_kernel_gives_a_sequence_the_same_numbers_alone_as_in_a_batch():
     """The kernel's work per sequence does not depend on the other rows (its split into tasks follows the prompt's
     shape): each row of a batch equals that row run alone, bit for bit (the engine's solo == batched)."""
-    from h2o_kv import native
+    from h2o_kv.backends import native
 
     keys, values, pos = slots(3, 2, 4, 500, 0, 64, torch.float32, seed=5)
     q = torch.randn(3, 6, 500, 64, generator=torch.Generator().manual_seed(6))

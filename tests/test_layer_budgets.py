@@ -11,7 +11,7 @@ import torch
 from test_eviction import causal_mask, kept_positions, random_qkv
 
 import h2o_kv
-from h2o_kv.layer import KVLayer, Settings
+from h2o_kv.cache.layer import KVLayer, Settings
 from h2o_kv.policies import H2O, TOVA, Local, Sinks, SnapKV, StreamingLLM, build
 from h2o_kv.policies.layers import LayerBudgets, scale_budget
 
@@ -121,7 +121,7 @@ def test_builder_and_bad_options():
 def test_engine_batches_per_layer_budgets_like_solo_runs():
     """Sequences with per-layer budgets join and leave a running batch (append_rows / select_rows) and
     get exactly their solo tokens, on a model with sliding and full layers."""
-    from h2o_kv.engine import Engine
+    from h2o_kv.runtime.engine import Engine
 
     from conftest import make_tokenizer
 
@@ -139,8 +139,8 @@ def test_engine_batches_per_layer_budgets_like_solo_runs():
 def test_engine_admission_counts_each_layers_own_slots(schedule, budget):
     """A request's admission size covers what its cache really holds with per-layer budgets (each layer
     rounds its own share), and exceeds it by less than one slot per layer."""
-    from h2o_kv.engine import Engine
-    from h2o_kv.generation import forward
+    from h2o_kv.runtime.engine import Engine
+    from h2o_kv.runtime.generation import forward
 
     from conftest import make_tokenizer
 

@@ -13,8 +13,8 @@ lm_eval = pytest.importorskip("lm_eval")
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from h2o_kv.eval import lm_eval_adapter  # noqa: E402  (registers the "h2o_kv" model)
-from h2o_kv.models import bundled_gguf_path, load_model  # noqa: E402
+from h2o_kv.runtime.models import bundled_gguf_path, load_model  # noqa: E402
+from h2o_kv.studies.eval import lm_eval_adapter  # noqa: E402  (registers the "h2o_kv" model)
 
 DOCS = [
     ("The cat sat on the mat all afternoon, watching the birds in the garden outside the window. "

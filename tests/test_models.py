@@ -1,4 +1,4 @@
-"""Tests for h2o_kv.models: name resolution, cache location and the bundled SmolLM2 model."""
+"""Tests for h2o_kv.runtime.models: name resolution, cache location and the bundled SmolLM2 model."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from h2o_kv import models
-from h2o_kv.models import bundled_gguf_path, cache_dir, load_model
+from h2o_kv.runtime import models
+from h2o_kv.runtime.models import bundled_gguf_path, cache_dir, load_model
 
 
 @pytest.mark.parametrize("name", ["./no-such-model", "~/no/such/model", "/no/such/dir", "missing.gguf", "a/b/c"])
@@ -92,7 +92,7 @@ def test_second_load_reads_safetensors_cache(bundled) -> None:
 
 @pytest.mark.slow
 def test_load_with_h2o_enabled(bundled) -> None:
-    attention = pytest.importorskip("h2o_kv.attention")
+    attention = pytest.importorskip("h2o_kv.cache.attention")
     model, tokenizer = load_model()
     if hasattr(attention, "is_enabled"):
         assert attention.is_enabled(model)

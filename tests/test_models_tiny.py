@@ -182,7 +182,7 @@ def test_a_stale_handoff_does_not_leak_into_another_cache(llama):
     """A KVCache update whose attention never ran must not hijack a later forward with a stock cache."""
     ids = random_ids(1, 10)
     cache = h2o_kv.KVCache(h2o_kv.Full())
-    h2o_kv.attention.mark_forward(1, 1)  # as an enabled model's forward does before its first layer
+    h2o_kv.cache.attention.mark_forward(1, 1)  # as an enabled model's forward does before its first layer
     cache.update(torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16), 0)  # pending hand-off, never consumed
     with torch.no_grad():
         expected = make_model("llama", enable=False)(ids).logits
@@ -192,7 +192,7 @@ def test_a_stale_handoff_does_not_leak_into_another_cache(llama):
 @pytest.mark.parametrize("softcap", [None, 5.0], ids=["plain", "softcapped"])
 def test_forward_last_logits_equal_the_models_own(arch, softcap):
     """`generation.forward` gives the model's own last-token logits, soft-capped heads included."""
-    from h2o_kv.generation import forward
+    from h2o_kv.runtime.generation import forward
 
     model = make_model(arch)
     if softcap is not None:
@@ -218,7 +218,7 @@ def test_steady_decode_path_equals_the_general_one(arch, policy, native, monkeyp
     once packed, or with the C++ kernels and a policy ranking by score with the newest kept (H2O, SnapKV) one
     `native.decode_step` pass per row (counted); the general path gives the same logits and keeps the same
     tokens in the same slots."""
-    from h2o_kv import native as native_mod
+    from h2o_kv.backends import native as native_mod
 
     calls = []
     fused = native_mod.decode_step
@@ -231,7 +231,7 @@ def test_steady_decode_path_equals_the_general_one(arch, policy, native, monkeyp
         assert len(calls) >= 10  # most decode steps (a sliding layer's take the general path)
     else:
         assert not calls and any(layer.packed is layer.pos for layer in steady.layers)  # the packed step was taken
-    monkeypatch.setattr(h2o_kv.layer.KVLayer, "_full", lambda self: False)
+    monkeypatch.setattr(h2o_kv.cache.layer.KVLayer, "_full", lambda self: False)
     general = h2o_kv.KVCache(policy, compile_kernel=native)
     calls.clear()
     expected = decode(model, ids, general, prefill=12)

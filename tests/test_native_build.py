@@ -17,7 +17,7 @@ import sysconfig
 import pytest
 import torch
 
-from h2o_kv import native
+from h2o_kv.backends import native
 
 COMPILER = os.environ.get("CXX", "c++")
 ARCH = {"AVX512": "-march=skylake-avx512", "AVX2": "-march=haswell"}
@@ -53,7 +53,7 @@ def test_a_build_killed_half_way_does_not_hang_the_next_process():
     native.load()  # built (or loaded) here first, so the process below only loads
     folder = native.build_folder()
     (folder / "lock").touch()  # what a killed build leaves
-    done = subprocess.run([sys.executable, "-c", "from h2o_kv import native; native.load(); print('loaded')"],
+    done = subprocess.run([sys.executable, "-c", "from h2o_kv.backends import native; native.load(); print('loaded')"],
                           capture_output=True, text=True, timeout=240)  # fmt: skip
     assert done.returncode == 0 and done.stdout.strip() == "loaded", done.stderr[-2000:]
     assert not (folder / "lock").exists()

@@ -115,7 +115,7 @@ def test_adakv_steady_decode_path_keeps_the_reference_tokens(name, tied, native,
     with tied priorities at the boundary (TOVA, zero keys) it falls back to the exact order. Both keep
     the reference's tokens, row by row of a batch whose rows got different prompts, with torch's ops and
     with h2o-kv's C++ kernels (the pooled attention, and `native.lowest_slots` for the eviction)."""
-    from h2o_kv.pooled import PooledKVLayer
+    from h2o_kv.cache.pooled import PooledKVLayer
 
     calls = {"steady": 0, "tie": 0}
     steady, evict_row = PooledKVLayer._decode_full, PooledKVLayer._evict_row
@@ -131,7 +131,7 @@ def test_adakv_steady_decode_path_keeps_the_reference_tokens(name, tied, native,
 
     monkeypatch.setattr(PooledKVLayer, "_decode_full", counted_steady)
     monkeypatch.setattr(PooledKVLayer, "_evict_row", counted_row)
-    from h2o_kv import native as kernels
+    from h2o_kv.backends import native as kernels
 
     lowest, kernel_calls = kernels.lowest_slots, []
     monkeypatch.setattr(kernels, "lowest_slots", lambda *a: kernel_calls.append(1) or lowest(*a))
@@ -162,7 +162,7 @@ def test_adakv_decodes_through_the_pooled_kernel_with_the_eager_results(arch, mo
     """Where h2o-kv's C++ kernels can be built (here), AdaKV's head-pooled layers decode through
     native.pooled_attend_one, and once full through native.pooled_decode_step (both counted), with the eager
     path's logits and kept tokens (compile_kernel=False)."""
-    from h2o_kv import native
+    from h2o_kv.backends import native
 
     calls = []
     for name in ("pooled_attend_one", "pooled_decode_step"):

@@ -15,8 +15,8 @@ from test_eviction import kept_positions
 
 import h2o_kv
 from h2o_kv import policies
-from h2o_kv.layer import KVLayer, Settings
-from h2o_kv.pooled import PooledKVLayer
+from h2o_kv.cache.layer import KVLayer, Settings
+from h2o_kv.cache.pooled import PooledKVLayer
 
 from conftest import make_model
 from reference import reference_layer

@@ -9,9 +9,9 @@ from test_eviction import kept_positions, random_qkv, run_layer
 from test_models_tiny import decode
 
 import h2o_kv
-from h2o_kv.layer import KVLayer, Settings
-from h2o_kv.pooled import PooledKVLayer
-from h2o_kv.quant import dequantize, quantize
+from h2o_kv.cache.layer import KVLayer, Settings
+from h2o_kv.cache.pooled import PooledKVLayer
+from h2o_kv.cache.quant import dequantize, quantize
 
 from conftest import make_model, random_ids
 
@@ -133,7 +133,7 @@ def test_invalid_kv_dtype_is_refused(bad):
 def test_int8_decoding_widens_into_one_reused_buffer():
     """The eager kernel (compile_kernel=False) widens each layer's int8 keys and values into the cache's buffer,
     not a fresh tensor per layer (new memory costs page faults): one buffer, kept across steps, the same outputs."""
-    from h2o_kv.kernel import attend_one
+    from h2o_kv.cache.attend import attend_one
 
     model, ids = make_model("llama"), random_ids(2, 40)
     cache = h2o_kv.KVCache(h2o_kv.H2O(heavy=8, recent=8), kv_dtype="int8", compile_kernel=False)
@@ -165,8 +165,8 @@ def test_kernel_equals_the_eager_path(batch, heads, group, slots, dim, softcap, 
     over the same int8 (with scales), float32 or bfloat16 storage (widened in registers: the float32 call on the
     same numbers, up to the compiler's order in the tails) and empty slots, for slot counts and head sizes off
     the vector width."""
-    from h2o_kv import native
-    from h2o_kv.kernel import attend_one
+    from h2o_kv.backends import native
+    from h2o_kv.cache.attend import attend_one
 
     torch.manual_seed(slots)
     q = torch.randn(batch, heads * group, 1, dim)
@@ -197,7 +197,7 @@ def test_kernel_equals_the_eager_path(batch, heads, group, slots, dim, softcap, 
 
 
 def test_kernel_refuses_storage_without_its_scales():
-    from h2o_kv import native
+    from h2o_kv.backends import native
 
     q, keys = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 5, 8)
     (k8, scale) = quantize(keys)
@@ -214,8 +214,8 @@ def test_decoding_runs_the_kernel_with_the_eager_results(arch, monkeypatch, stor
     """Where the kernel can be built (here), an int8, float32 or bfloat16 cache decodes through it (counted),
     and its logits and kept tokens are those of the eager path (compile_kernel=False; for a bfloat16 model the
     eager path with float32 products, as on a CPU without bfloat16 ones, since the kernel multiplies in float32)."""
-    from h2o_kv import kernel as kernels
-    from h2o_kv import native
+    from h2o_kv.backends import native
+    from h2o_kv.cache import attend as kernels
 
     calls = []
     for name in ("attend_one", "decode_step"):  # a full layer's steady step runs the second (layer._decode_full)
@@ -245,7 +245,7 @@ def test_decoding_runs_the_kernel_with_the_eager_results(arch, monkeypatch, stor
 
 
 def test_compile_kernel_is_checked(monkeypatch):
-    from h2o_kv import native
+    from h2o_kv.backends import native
 
     policy = h2o_kv.H2O(heavy=4, recent=4)
     with pytest.raises(TypeError, match="compile_kernel must be None, True or False"):

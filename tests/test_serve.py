@@ -13,8 +13,8 @@ import httpx  # noqa: E402
 from serve_helpers import CONTEXT, MODEL, bundled_tokenizer, client, metric, running_server, tiny_model, wait_for  # noqa: E402
 
 from h2o_kv import policies  # noqa: E402
-from h2o_kv.cache import KVCache  # noqa: E402
-from h2o_kv.generation import encode, greedy_ids  # noqa: E402
+from h2o_kv.cache.kvcache import KVCache  # noqa: E402
+from h2o_kv.runtime.generation import encode, greedy_ids  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 
@@ -32,7 +32,7 @@ def model(tokenizer):
 @pytest.fixture(scope="module")
 def server(model, tokenizer):
     """(engine, url): default policy h2o at 20 %; KV memory for one full-cache request of 600 tokens."""
-    from h2o_kv.engine import Engine
+    from h2o_kv.runtime.engine import Engine
 
     kv_memory = Engine(model, tokenizer).kv_bytes_for(584, 16, policies.Full())
     with running_server(model, tokenizer, kv_memory=kv_memory, max_batch=16, prefill_chunk=32) as served:

@@ -22,7 +22,7 @@ import httpx  # noqa: E402
 from serve_helpers import MODEL, bundled_tokenizer, client, running_server, tiny_model, wait_for  # noqa: E402
 
 from h2o_kv import policies  # noqa: E402
-from h2o_kv.serve.main import parse_bytes  # noqa: E402
+from h2o_kv.runtime.serve.main import parse_bytes  # noqa: E402
 
 LIMIT_S = 120  # every concurrent phase below must finish well within this
 
@@ -102,7 +102,7 @@ def test_concurrent_greedy_requests_return_what_each_returns_alone(model, tokeni
 
 
 def test_load_64_requests_16_at_a_time_stays_within_kv_memory(model, tokenizer) -> None:
-    from h2o_kv.engine import Engine
+    from h2o_kv.runtime.engine import Engine
 
     kv_memory = 4 * Engine(model, tokenizer).kv_bytes_for(100, 11, policies.Full())
     requests = _mixed_requests(64, seed=5)
@@ -183,7 +183,7 @@ def test_sigterm_ends_the_server_process_without_a_traceback(model, tokenizer, t
 
 def test_kv_memory_sizes_and_serve_flags() -> None:
     from h2o_kv.cli import build_parser
-    from h2o_kv.serve.main import engine_settings
+    from h2o_kv.runtime.serve.main import engine_settings
 
     assert parse_bytes("512MiB") == 512 * 2**20
     assert parse_bytes("2GB") == 2 * 10**9
@@ -212,9 +212,9 @@ def test_kv_memory_sizes_and_serve_flags() -> None:
 
 
 def test_load_generator_at_a_tiny_size(model, tokenizer, tmp_path) -> None:
-    from h2o_kv.engine import Engine
-    from h2o_kv.serve.loadgen import make_prompts, parse_configs, ratios, run_benchmark
-    from h2o_kv.serve.results import write_results
+    from h2o_kv.runtime.engine import Engine
+    from h2o_kv.studies.loadgen import make_prompts, parse_configs, ratios, run_benchmark
+    from h2o_kv.studies.serve_results import write_results
 
     with pytest.raises(ValueError):
         parse_configs("h2o:1.5")
@@ -243,7 +243,7 @@ def test_load_generator_at_a_tiny_size(model, tokenizer, tmp_path) -> None:
 
 
 def test_load_generator_refuses_kv_dtype_for_a_server_it_does_not_start(capsys) -> None:
-    from h2o_kv.serve import loadgen
+    from h2o_kv.studies import loadgen
 
     assert loadgen.main(["--url", "http://127.0.0.1:9", "--kv-dtype", "int8", "--requests", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

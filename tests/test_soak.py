@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
-from h2o_kv import bench
-from h2o_kv.bench import soak as soak_mod
+from h2o_kv.studies import bench
+from h2o_kv.studies.bench import soak as soak_mod
 
 from conftest import make_model, random_ids
 

@@ -21,8 +21,8 @@ import transformers as tf
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from tp_worker import run, run_cli
 
-from h2o_kv.distributed import check_tp
-from h2o_kv.models import load_model
+from h2o_kv.runtime.distributed import check_tp
+from h2o_kv.runtime.models import load_model
 
 PROCESSES = 2
 TIMEOUT_S = 180  # per torchrun launch; a healthy one takes ~15 s on a busy 2-core machine

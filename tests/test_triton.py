@@ -14,9 +14,9 @@ from test_eviction import POLICIES, SCHEDULES, kept_positions, random_qkv, run_l
 
 import h2o_kv
 from h2o_kv.backends import interpreted, triton_importable
-from h2o_kv.generation import forward, prefill
-from h2o_kv.kernel import attend
-from h2o_kv.quant import dequantize, quantize
+from h2o_kv.cache.attend import attend
+from h2o_kv.cache.quant import dequantize, quantize
+from h2o_kv.runtime.generation import forward, prefill
 
 from conftest import make_model, random_ids
 from reference import reference_layer

@@ -18,7 +18,7 @@ import torch
 
 import h2o_kv
 from h2o_kv import cli
-from h2o_kv.distributed import default_tp_plan, rank, shared_seed
+from h2o_kv.runtime.distributed import default_tp_plan, rank, shared_seed
 
 PROMPT_LENS = (40, 33)  # two sequences, the second left-padded
 NEW_TOKENS = 12

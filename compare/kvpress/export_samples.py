@@ -16,7 +16,7 @@ runner (`retrieval.make_samples`: task k of ``ruler.TASKS`` gets ``seed + 1000 *
 depths ``(i + 0.5) / n``.
 
 ``--check RESULTS.json`` instead re-scores the predictions cached by run_kvpress.py with h2o-kv's own
-`h2o_kv.eval.ruler.score` and fails if any score differs from the one run_kvpress.py recorded.
+`h2o_kv.studies.eval.ruler.score` and fails if any score differs from the one run_kvpress.py recorded.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ import sys
 from pathlib import Path
 
 from h2o_kv import load_model
-from h2o_kv.data import load_corpus
-from h2o_kv.eval.ruler import TASKS, Sample, hf_tokenizer_len, make_dataset, max_new_tokens, score
-from h2o_kv.models import BUNDLED_NAME, cache_dir
 from h2o_kv.policies import budget_tokens
+from h2o_kv.runtime.models import BUNDLED_NAME, cache_dir
+from h2o_kv.studies.data import load_corpus
+from h2o_kv.studies.eval.ruler import TASKS, Sample, hf_tokenizer_len, make_dataset, max_new_tokens, score
 
 NEEDLE_TASKS = ("passkey", "niah_single", "niah_multikey")
 SHORT = {"niah_single": "niah", "passkey": "passkey", "variable_tracking": "vt"}
@@ -77,7 +77,7 @@ def export(args: argparse.Namespace) -> None:
                     "h2o_kv_budget_tokens": {str(b): budget_tokens(b, context) for b in budgets},
                     "seed": s.metadata["seed"],
                     "model_dir": str(model_dir),
-                    "corpus": args.corpus or "shakespeare (h2o_kv.data default)",
+                    "corpus": args.corpus or "shakespeare (h2o_kv.studies.data default)",
                     "eos_token_id": model.generation_config.eos_token_id,
                 }
                 lines.append(json.dumps(record))
@@ -100,7 +100,7 @@ def check(results_path: str, samples_path: str) -> None:
             if abs(score(samples[sid], rec["prediction"]) - rec["score"]) > 1e-9:
                 bad += 1
                 print(f"mismatch {cell['press']} {cell['ratio']} {sid}: {rec['score']}", file=sys.stderr)
-    print(f"re-scored {total} predictions with h2o_kv.eval.ruler.score: {bad} mismatches")
+    print(f"re-scored {total} predictions with h2o_kv.studies.eval.ruler.score: {bad} mismatches")
     if bad:
         sys.exit(1)
 
@@ -112,7 +112,7 @@ def main() -> None:
     p.add_argument("--contexts", default="1024,2048")
     p.add_argument("--n", type=int, default=20, help="samples per (task, context length)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--corpus", default=None, help="haystack source (default: h2o_kv.data's default corpus)")
+    p.add_argument("--corpus", default=None, help="haystack source (default: h2o_kv.studies.data's default corpus)")
     p.add_argument("--gen-cap", type=int, default=32, help="cap on RULER's generation length (0: no cap)")
     p.add_argument("--budgets", default="0.1,0.2", help="h2o-kv budget fractions to record in tokens")
     p.add_argument("--check", metavar="RESULTS_JSON", help="re-score run_kvpress.py's results instead")

@@ -68,7 +68,7 @@ EAGER = {"observed_attention"}
 
 
 # ----------------------------------------------------------------------------------------- scoring
-# h2o_kv.eval.ruler.score, copied (RULER's postprocess + string_match_all / string_match_part);
+# h2o_kv.studies.eval.ruler.score, copied (RULER's postprocess + string_match_all / string_match_part);
 # export_samples.py --check re-scores every cached prediction with the original to prove they agree.
 
 

@@ -1,9 +1,9 @@
-"""Where a layer's attention over its slots runs, beside the pure-torch path of `h2o_kv.kernel`.
+"""Where a layer's attention over its slots runs, beside the pure-torch path of `h2o_kv.cache.attend`.
 
 - `triton_decode` / `triton_scores`: Triton kernels for GPUs (a decode step's attention with the policy's
   per-slot probabilities; a prompt's per-key probabilities after flash attention). They also run on CPU
   tensors under `TRITON_INTERPRET=1`, which is how CI tests them.
-- the C++ kernels for CPUs live in `h2o_kv.native` (to move here with the package layout).
+- the C++ kernels for CPUs live in `h2o_kv.backends.native` (to move here with the package layout).
 
 `use_triton(device)` is the one decision of whether the Triton kernels run for tensors on a device.
 """

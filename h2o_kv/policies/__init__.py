@@ -1,15 +1,15 @@
 """Eviction policies: what to evict. One small file per policy."""
 
-from .adakv import AdaKV
-from .base import MAX_TOKENS, Policy, SlotState, per_prompt
-from .full import Full
-from .h2o import H2O
-from .layers import LayerBudgets
-from .local import Local
-from .sinks import Sinks
-from .snapkv import SnapKV
-from .streaming import StreamingLLM
-from .tova import TOVA
+from h2o_kv.policies.adakv import AdaKV
+from h2o_kv.policies.base import MAX_TOKENS, Policy, SlotState, per_prompt
+from h2o_kv.policies.full import Full
+from h2o_kv.policies.h2o import H2O
+from h2o_kv.policies.layers import LayerBudgets
+from h2o_kv.policies.local import Local
+from h2o_kv.policies.sinks import Sinks
+from h2o_kv.policies.snapkv import SnapKV
+from h2o_kv.policies.streaming import StreamingLLM
+from h2o_kv.policies.tova import TOVA
 
 __all__ = [
     "MAX_TOKENS",

@@ -6,7 +6,7 @@ layer and lets the heads compete for them: the layer's lowest-priority tokens go
 head holds them, so a head whose attention is spread keeps more and a focused head fewer. The
 attention probabilities each head pays sum to one per query, which makes scores comparable across
 heads. The memory is real: a head-pooled layer stores its slots in one row shared by the heads, each
-slot tagged with its head (`h2o_kv.pooled`), so the cache holds `heads x (budget + 1)` slots per layer,
+slot tagged with its head (`h2o_kv.cache.pooled`), so the cache holds `heads x (budget + 1)` slots per layer,
 as the uniform policy does, however unevenly the heads share them.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Policy, SlotState, Wrapper
+from h2o_kv.policies.base import Policy, SlotState, Wrapper
 
 
 @dataclass(frozen=True)

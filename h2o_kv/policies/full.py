@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Policy, SlotState
+from h2o_kv.policies.base import Policy, SlotState
 
 
 @dataclass(frozen=True)

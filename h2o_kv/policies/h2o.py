@@ -10,7 +10,16 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Policy, SlotState, check_budget, check_ratio, check_size, per_prompt, ratio_of, tokens_of
+from h2o_kv.policies.base import (
+    Policy,
+    SlotState,
+    check_budget,
+    check_ratio,
+    check_size,
+    per_prompt,
+    ratio_of,
+    tokens_of,
+)
 
 
 @dataclass(frozen=True)

@@ -22,12 +22,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .base import Policy, SlotState, Wrapper
-from .full import Full
-from .h2o import H2O
-from .local import Local
-from .sinks import Sinks
-from .streaming import StreamingLLM
+from h2o_kv.policies.base import Policy, SlotState, Wrapper
+from h2o_kv.policies.full import Full
+from h2o_kv.policies.h2o import H2O
+from h2o_kv.policies.local import Local
+from h2o_kv.policies.sinks import Sinks
+from h2o_kv.policies.streaming import StreamingLLM
 
 SCHEDULES = ("pyramid", "global")
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Policy, SlotState, Wrapper, check_budget
+from h2o_kv.policies.base import Policy, SlotState, Wrapper, check_budget
 
 
 @dataclass(frozen=True)

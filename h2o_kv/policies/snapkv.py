@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Policy, SlotState, check_budget, check_size, per_prompt, tokens_of
+from h2o_kv.policies.base import Policy, SlotState, check_budget, check_size, per_prompt, tokens_of
 
 
 @dataclass(frozen=True)

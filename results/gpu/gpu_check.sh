@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One lent-GPU session's checks, run by the device tool from the repository root: `bash results/gpu/gpu_check.sh`.
 # 1. the Triton kernels against literal attention and the cache's CUDA paths (tests/test_triton.py, test_cuda.py);
-# 2. the GPU study (h2o_kv/bench/gpu.py): SmolLM2-135M's shapes at 4k x 4, then Llama-3-8B's at 32k x 8, random
+# 2. the GPU study (h2o_kv/studies/bench/gpu.py): SmolLM2-135M's shapes at 4k x 4, then Llama-3-8B's at 32k x 8, random
 #    weights, bfloat16: StaticCache eager and compiled, DynamicCache, H2O / SnapKV / int8 eager and replayed from
 #    a CUDA graph, the same-memory batch, prefill with exact scores against SDPA.
 # Needs, carried beside the tree (ignored): .whl/ (the transformers 5.23.0 wheel; the machine has an older one).
@@ -17,6 +17,6 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 } 2>&1 | tee "$OUT/machine.txt"
 timeout ${TEST_TIMEOUT:-120} python3 -m pytest -q -p no:cacheprovider -rf --maxfail=8 tests/test_triton.py tests/test_cuda.py 2>&1 | tee "$OUT/pytest.txt" | tail -8
 for shape in ${SHAPES:-llama3-8b smollm2-135m}; do
-  timeout $([ $shape = llama3-8b ] && echo 260 || echo 190) python3 -m h2o_kv.bench.gpu --shapes $shape --out "$OUT" 2>&1 | tee -a "$OUT/study.log" | grep -v '^{' | tail -4
+  timeout $([ $shape = llama3-8b ] && echo 260 || echo 190) python3 -m h2o_kv.studies.bench.gpu --shapes $shape --out "$OUT" 2>&1 | tee -a "$OUT/study.log" | grep -v '^{' | tail -4
 done
-python3 -m h2o_kv.bench.gpu --report --out "$OUT"
+python3 -m h2o_kv.studies.bench.gpu --report --out "$OUT"

@@ -1,0 +1,189 @@
+"""The cache a model is given: a transformers `Cache` of `KVLayer`s sharing one policy.
+
+`KVCache` is what users pass as `past_key_values`. Its `update` hands each layer's new keys to
+the h2o-kv attention call that follows (see attention.py); the layers do the work (layer.py).
+It also lets a serving engine move whole sequences in and out of a running batch
+(`append_rows`, `select_rows`).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+from h2o_kv.backends import native
+from h2o_kv.cache.attention import hand_off, take_forward_mark
+from h2o_kv.cache.layer import KVLayer, Mode, Settings
+from h2o_kv.cache.pooled import PooledKVLayer
+from h2o_kv.cache.quant import check_kv_dtype
+from h2o_kv.cache.settings import capturing
+from h2o_kv.policies import MAX_TOKENS, Policy
+
+__all__ = ["KVCache", "KVLayer", "Mode"]
+
+
+class KVCache(Cache):
+    """A bounded KV cache for transformers models, evicting with `policy` (H2O, Local, ...).
+
+    Use it as `past_key_values` in `model(...)` or `model.generate(...)` after `h2o_kv.enable(model)`.
+    `mode="drop"` frees evicted tokens' memory; `mode="mask"` keeps them masked (the paper's
+    accuracy simulation; same outputs, full memory). `prefill_chunk` processes long inputs in
+    chunks with eviction between them, bounding the cache by capacity + chunk. `prompt_len` sizes
+    fractional budgets from that many prompt tokens, for a prompt fed in several calls.
+    `kv_dtype="int8"` stores the kept keys and values as int8 with per-token scales (about 4x fewer
+    bytes than float32; see quant.py). Decode steps on a CPU over float32, bfloat16 or int8 storage or a head-pooled
+    layer (AdaKV) run h2o-kv's C++ kernels, built once per machine where ninja and a C++ compiler are found
+    (native.py); `compile_kernel=False` keeps the eager path, `compile_kernel=True` requires the kernels (an
+    error where they cannot be built).
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        *,
+        mode: Mode = "drop",
+        prefill_chunk: int | None = None,
+        prompt_len: int | None = None,
+        kv_dtype: str | None = None,
+        compile_kernel: bool | None = None,
+    ) -> None:
+        if not isinstance(policy, Policy):
+            raise TypeError(f"policy must be an h2o_kv policy (H2O, Local, ...), got {type(policy).__name__}")
+        if mode not in ("drop", "mask"):
+            raise ValueError(f"mode must be 'drop' or 'mask', got {mode!r}")
+        for name, value in (("prefill_chunk", prefill_chunk), ("prompt_len", prompt_len)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
+            if value is not None and not 0 < value <= MAX_TOKENS:
+                raise ValueError(f"{name} must be a positive int (at most {MAX_TOKENS}), got {value!r}")
+        check_kv_dtype(kv_dtype)
+        kernels = native.resolve(compile_kernel)
+        self.settings = Settings(policy, mode, prefill_chunk, prompt_len, kv_dtype=kv_dtype, compile_kernel=kernels)
+        super().__init__(layer_class_to_replicate=self._new_layer)
+
+    @property
+    def is_compileable(self) -> bool:
+        """Whether transformers' `generate` may compile the decode step, as it does StaticCache's (`Settings`)."""
+        return self.settings.compileable
+
+    policy = property(lambda self: self.settings.policy)
+    mode = property(lambda self: self.settings.mode)
+    prefill_chunk = property(lambda self: self.settings.prefill_chunk)
+
+    def _new_layer(self) -> KVLayer:
+        layer = PooledKVLayer if self.settings.policy.head_pooled else KVLayer
+        return layer(self.settings, len(self.layers))
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        previous = hand_off(None, key_states)
+        stale = previous is not None and previous[0] in self.layers and previous[0].pending is not None
+        if stale:
+            previous[0].pending = None  # the last layer's keys never reached h2o-kv attention
+        batch, _, n, _ = key_states.shape
+        # A compiled or captured step trusts the eager calls before it (transformers' generate hands a compiled step
+        # a mask it built outside, so no mark is made inside).
+        traced = capturing() and len(self.layers) > 0 and self.layers[0].is_initialized
+        if stale or (layer_idx == 0 and not traced and take_forward_mark() not in ((batch, n), (1, n))):
+            raise RuntimeError(
+                "h2o_kv.KVCache needs the model's attention to go through h2o-kv to see attention scores: "
+                "call h2o_kv.enable(model) first (this attention implementation does not give scores)"
+            )
+        self._check_layers(layer_idx, n)
+        if layer_idx < len(self.layers) and self.layers[layer_idx].is_initialized:
+            check_continues(self.layers[layer_idx], key_states, value_states)
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        hand_off(self.layers[layer_idx], keys)
+        return keys, values
+
+    def _check_layers(self, layer_idx: int, n: int) -> None:
+        """Every call must reach the same layers: a cache filled by one model cannot serve another."""
+        layers = self.layers
+        if layer_idx == 0 and layers and layers[0].is_initialized and layers[-1].seen != layers[0].seen:
+            raise ValueError(
+                f"the last call reached {sum(layer.seen == layers[0].seen for layer in layers)} of this KVCache's "
+                f"{len(layers)} layers: a cache belongs to one model and one batch; use a new KVCache"
+            )
+        if layer_idx >= len(layers) and layers and layers[-1].seen != n:
+            raise ValueError(
+                f"this KVCache was filled by a model with {len(layers)} layers and now gets layer {layer_idx}: "
+                "a cache belongs to one model and one batch; use a new KVCache"
+            )
+
+    # -- sequences in and out of a running batch (continuous batching) --------------------------------
+    @property
+    def batch_size(self) -> int:
+        layer = self.layers[0] if self.layers else None
+        return layer.keys.shape[0] if layer is not None and layer.is_initialized else 0
+
+    def select_rows(self, rows: torch.Tensor | list[int]) -> None:
+        """Keep only these sequences (in this order) and shrink the storage to what they hold."""
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        for layer in self.layers:
+            layer.select_rows(rows)
+
+    def append_rows(self, other: KVCache) -> None:
+        """Move the sequences of `other` (same policy and mode, same model, prompt seen) after this cache's."""
+        if (other.policy, other.mode, other.settings.kv_dtype) != (self.policy, self.mode, self.settings.kv_dtype):
+            raise ValueError(
+                f"can only join caches with the same policy, mode and kv_dtype: {self.policy.describe()} ({self.mode}, "
+                f"{self.settings.kv_dtype}) vs {other.policy.describe()} ({other.mode}, {other.settings.kv_dtype})"
+            )
+        if len(other.layers) != len(self.layers):
+            raise ValueError(f"cannot join a cache of {len(other.layers)} layers to one of {len(self.layers)}")
+        for mine, theirs in zip(self.layers, other.layers):
+            mine.append_rows(theirs)
+
+    # -- inspection -------------------------------------------------------------------------------------
+    @property
+    def seen_tokens(self) -> int:
+        """Real tokens (padding excluded) that have passed through the cache, longest sequence."""
+        layer = self.layers[0] if self.layers else None
+        return int(layer.next_pos.max()) if layer is not None and layer.is_initialized and self.batch_size else 0
+
+    @property
+    def kept_tokens(self) -> int:
+        """Most tokens any (layer, sequence, KV head) holds now."""
+        return max(
+            (int(layer.kept().max()) for layer in self.layers if layer.is_initialized and layer.kept().numel()),
+            default=0,
+        )
+
+    def kept_per_head(self) -> torch.Tensor:
+        """Kept tokens as [layers, batch, kv_heads]."""
+        return torch.stack([layer.kept() for layer in self.layers])
+
+    def nbytes(self) -> int:
+        """Bytes the cache holds now (keys, values and the per-slot bookkeeping)."""
+        return sum(layer.nbytes() for layer in self.layers if layer.is_initialized)
+
+
+def check_continues(layer: KVLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Refuse, before anything changes, a call that cannot continue what `layer` holds."""
+    mine, theirs = (layer.keys.shape[0], layer.kv_heads, layer.keys.shape[3]), (keys.shape[0], *keys.shape[1::2])
+    if mine[0] != theirs[0]:
+        raise ValueError(
+            f"this KVCache holds {mine[0]} sequences but got a batch of {theirs[0]}: a cache belongs to one "
+            "model and one batch; use a new KVCache (or cache.reset()) for a different batch"
+        )
+    if (
+        mine != theirs
+        or (keys.dtype, keys.device) != (layer.dtype, layer.device)
+        or values.shape[-1] != (layer.values.shape[-1])
+    ):
+        raise ValueError(
+            f"this KVCache was filled by another model (layer {layer.layer_idx}: batch x KV heads x head size "
+            f"{mine}, {layer.dtype} on {layer.device}; got {theirs}, {keys.dtype} on {keys.device}): a cache "
+            "belongs to one model and one batch; use a new KVCache"
+        )
+    if (
+        keys.shape[2] > 1
+        and layer.prompt_len is not None
+        and not layer.decoded
+        and layer.settings.sized_by_prompt
+        and layer.settings.prompt_len is None
+    ):
+        raise ValueError(
+            f"{layer.settings.policy.describe()} sizes its budget from the prompt, but the prompt is arriving in "
+            "several calls (e.g. generate(..., prefill_chunk_size=...)) and the first one already fixed it: "
+            "pass KVCache(..., prompt_len=<prompt tokens>), use token budgets, or KVCache(prefill_chunk=...)"
+        )

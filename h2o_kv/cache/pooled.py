@@ -1,0 +1,238 @@
+"""A head-pooled layer (Ada-KV's storage): one row of slots per sequence, shared by the layer's KV heads.
+
+`KVLayer` stores [batch, KV heads, slots], so every head holds as many slots as the fullest one. For
+`AdaKV` the heads of a layer share `heads x capacity` slots, as unevenly as their scores say, and
+the memory must follow the total, not the largest head. This layer stores the same tensors with a
+single "virtual" KV head, [batch, 1, heads x (capacity + 1)], and tags each slot with its real head
+(`head`, int8). Everything else is `KVLayer`'s:
+
+- a call's n new tokens become n x heads slots (token-major), each with its token's position;
+- every query head attends over the whole row with the other heads' slots masked (`kernel.attend`'s
+  `slot_head`), so the scores summed over the row's "group" (all query heads) are exactly what each
+  slot's own query heads paid;
+- eviction ranks the row: the lowest-priority `excess` slots go, whichever head holds them, which is
+  Ada-KV's layer-wide top-k selection (a decode step adds and then evicts `heads` slots).
+
+The price against `KVLayer`: the eager attention computes the logits for every (query head, slot) pair,
+heads times the products of a uniform layer (the slots are still read once), with each KV head's mask
+added inside the product (`kernel.pooled_bias`); a decode step on a CPU runs h2o-kv's C++ kernel instead
+(`native.pooled_attend_one`: each query head against its own head's slots only, the row read once in
+slot order). A decode step's eviction takes the `heads + 1` lowest priorities of the row (topk, or on a
+CPU one C++ pass, `native.lowest_slots`) instead of one minimum per head, and the next step writes into
+the slots it freed (`vacant`). Once every row frees exactly `heads` slots a step (a full cache), decoding
+takes the steady path (`_decode_full`, as `KVLayer`'s): the new token's slots are the ones freed, and no
+count or empty-slot search is needed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from h2o_kv.backends import native
+from h2o_kv.cache.attend import attend
+from h2o_kv.cache.layer import KVLayer
+from h2o_kv.policies import SlotState
+
+POS_SPAN = 1 << 40  # a position is below this (MAX_TOKENS), so head * POS_SPAN + pos orders by (head, pos)
+
+
+class PooledKVLayer(KVLayer):
+    query_head: torch.Tensor | None = None  # [heads, group]: each query head's KV head, from the first query
+    decode_tags: torch.Tensor | None = None  # [B, 1, heads]: a decode step's new slots' heads
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        heads = key_states.shape[1]
+        if heads > 127:
+            raise ValueError(f"a head-pooled layer tags slots with an int8 head: at most 127 KV heads, got {heads}")
+        super().lazy_initialization(key_states[:, :1], value_states[:, :1])
+        self.kv_heads = heads
+        self.spare = heads  # one slot per head for the incoming token
+        self.head = torch.zeros(key_states.shape[0], 1, 0, dtype=torch.int8, device=self.device)
+
+    def _fix_budget(self, prompt_len: torch.Tensor) -> None:
+        super()._fix_budget(prompt_len)
+        if self.capacity is not None:  # the mean per head times the heads: the row's total
+            self.capacity = self.capacity * self.kv_heads
+            self.max_capacity, self.min_capacity = self.max_capacity * self.kv_heads, self.min_capacity * self.kv_heads
+
+    def forward_attention(self, query: torch.Tensor, attention_mask, **kwargs) -> torch.Tensor:
+        if self.query_head is None:
+            group = query.shape[1] // self.kv_heads
+            self.query_head = torch.arange(self.kv_heads, device=self.device).repeat_interleave(group).view(-1, group)
+        return super().forward_attention(query, attention_mask, **kwargs)
+
+    def _decode_full(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, qpos: torch.Tensor, *,
+                     scaling: float, softcap: float | None) -> torch.Tensor:  # fmt: skip
+        """The steady decode step (`KVLayer._decode_full` for a row): the new token's `heads` slots [B, H, 1, D]
+        go where the last step's eviction left `heads` empty slots in every row, each tagged with its head;
+        the query heads attend over the row, and every row frees `heads` slots again (`_evict_row`); on a CPU
+        with a policy ranking by score with the newest kept, all of it in one C++ call (`native.pooled_decode_step`)."""
+        slots = self._take_vacant()
+        batch, heads, _, dim = keys.shape
+        next_pos = self.next_pos.view(-1, 1, 1)
+        keys, values = keys.reshape(batch, 1, heads, dim), values.reshape(batch, 1, heads, values.shape[-1])
+        recent = self._ranked_in_kernel(query.dtype, query.device)
+        if recent is not None:  # the same operations in one C++ call
+            out, freed, tied = native.pooled_decode_step(
+                query, self.keys, self.values, self.head, self.pos, self.score, self.last, slots, keys, values, qpos,
+                recent, scaling=scaling, softcap=softcap,
+            )  # fmt: skip
+            if not tied:
+                self.vacant, self.kept_bound = (freed, self.pos), min(self.kept_bound, self.max_capacity)
+                return out
+        else:
+            self.head.scatter_(2, slots, self._tags(batch, 1))
+            self._write(slots, keys, values, qpos.view(batch, 1, 1).expand(batch, 1, heads), zeroed=True)
+            out, valid = self._attend_steady(query, qpos, scaling=scaling, softcap=softcap)
+            if self._evict_row(valid, self.slot_state(next_pos)):
+                return out
+        KVLayer._evict(self, next_pos, None, 1)  # a tie at the boundary (nothing freed): the exact (sorted) order
+        return out
+
+    def _step_storage(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """`native.pooled_decode_step` reads float32 rows with float32 queries (as `native.pooled_attend_one`)."""
+        return self.keys.dtype == dtype == torch.float32
+
+    def _insert(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> int | None:
+        """n new tokens [B, heads, n, D] take n x heads slots; returns the first one (None while decoding)."""
+        batch, heads, n, dim = keys.shape
+        width = n * heads
+        keys = keys.transpose(1, 2).reshape(batch, 1, width, dim)
+        values = values.transpose(1, 2).reshape(batch, 1, width, values.shape[-1])
+        tags = self._tags(batch, n)
+        first = None
+        if self.settings.mode == "drop" and n == 1:  # decoding: the slots the last step freed, or the first free ones
+            slots = self._decode_slots()
+            self.used = self.keys.shape[2]
+        else:
+            first = self.used
+            self._reserve(first + width)
+            slots = torch.arange(first, first + width, device=self.device).expand(batch, 1, width)
+            self.used = first + width
+        self.kept_bound += width
+        self.head.scatter_(2, slots, tags)
+        self._write(slots, keys, values, positions.repeat_interleave(heads, dim=1)[:, None])
+        return first
+
+    def _first_empty(self) -> torch.Tensor:
+        return first_free(self.pos, self.spare)  # a token's `heads` slots
+
+    def _tags(self, batch: int, n: int) -> torch.Tensor:
+        """Each new slot's head, [B, 1, n x heads] token-major (a decode step's is kept)."""
+        tags = self.decode_tags
+        if n != 1 or tags is None or tags.shape[0] != batch:
+            tags = torch.arange(self.kv_heads, dtype=torch.int8, device=self.device).repeat(n).expand(batch, 1, -1)
+            if n == 1:
+                self.decode_tags = tags
+        return tags
+
+    def _attend(self, query: torch.Tensor, positions: torch.Tensor, *, new_from: int | None = None, full: bool = False,
+                **options):  # fmt: skip
+        # `full` (every slot holds a token) changes nothing here: the row's slots are masked by head anyway
+        if new_from == 0:  # the row holds just this call's tokens, token-major: attend per head, in order
+            return self._attend_first(query, positions, **options)
+        # later calls: a token is `heads` slots, so the kernel's in-order causal shortcut (new_from) does not apply
+        return super()._attend(query, positions, new_from=None, slot_head=self.head, query_head=self.query_head,
+                               **options)  # fmt: skip
+
+    def _attend_first(self, query: torch.Tensor, positions: torch.Tensor, **options):
+        """A first call (a prompt) as `KVLayer` attends: [B, heads, n] views of the row, the causal
+        triangle skipped; the per-slot scores come back in the row's order."""
+        batch, heads, n = query.shape[0], self.kv_heads, query.shape[2]
+
+        def by_head(t: torch.Tensor | None) -> torch.Tensor | None:  # [B, 1, n*heads, ...] -> [B, heads, n, ...]
+            return None if t is None else t[:, 0, : n * heads].unflatten(1, (n, heads)).transpose(1, 2)
+
+        out, scores, last = attend(query, by_head(self.keys), by_head(self.values), by_head(self.pos), positions,
+                                   key_scale=by_head(self.key_scale), value_scale=by_head(self.value_scale),
+                                   new_from=0, **options)  # fmt: skip
+
+        def by_row(t: torch.Tensor | None) -> torch.Tensor | None:  # [B, heads, n] -> [B, 1, S] (empty slots: 0)
+            if t is None:
+                return None
+            row = torch.zeros_like(self.score)
+            row[:, 0, : n * heads] = t.transpose(1, 2).reshape(batch, n * heads)
+            return row
+
+        return out, by_row(scores), by_row(last)
+
+    def _add_scores(self, scores: torch.Tensor, queries: int, observed: bool, new_from: int | None) -> None:
+        pool = self.policy.score_pool if observed else 1
+        if pool > 1:  # max over each head's own `pool` neighbouring tokens, then accumulate without pooling
+            scores = self._pool_by_head(scores, pool)
+            observed = False
+        super()._add_scores(scores, queries, observed, new_from)
+
+    def _pool_by_head(self, scores: torch.Tensor, pool: int) -> torch.Tensor:
+        """`KVLayer`'s neighbour pooling within each head: the row sorted by (head, position), each
+        slot's max over the `pool` slots around it that hold the same head."""
+        width = scores.shape[-1]
+        key = self.head[..., :width].to(torch.int64) * POS_SPAN + self.pos[..., :width]
+        order = torch.sort(key, dim=-1, stable=True).indices
+        reach = pool // 2
+        ranked = torch.nn.functional.pad(scores.gather(-1, order), (reach, reach), value=0.0)
+        heads = torch.nn.functional.pad(self.head[..., :width].gather(-1, order), (reach, reach), value=-1)
+        around = ranked.unfold(-1, pool, 1)  # [B, 1, width, pool]
+        same = heads.unfold(-1, pool, 1) == heads[..., reach : reach + width, None]
+        pooled = around.masked_fill(~same, 0.0).amax(-1)  # scores are >= 0
+        return torch.empty_like(scores).scatter_(-1, order, pooled)
+
+    def _evict(self, next_pos: torch.Tensor, window: int | None, added: int) -> None:
+        """A decode step frees up to `heads` slots of the row: the `heads + 1` lowest priorities (topk, not
+        `KVLayer`'s two sorts) say which, unless two slots tie at the boundary (then `KVLayer`'s exact order).
+        When every row frees exactly `heads` (a full cache), `_evict_row` frees them and keeps them as `vacant`."""
+        if added != 1 or window is not None or self.capacity is None or self.kept_bound <= self.min_capacity:
+            return super()._evict(next_pos, window, added)
+        valid = self.pos >= 0
+        excess = (valid.sum(-1) - self.capacity).clamp_(min=0).unsqueeze(-1)  # [B, 1, 1]
+        if self.settings.mode == "drop" and bool((excess == self.spare).all()):  # a sync
+            if not self._evict_row(valid, self.slot_state(next_pos)):
+                super()._evict(next_pos, window, added)
+            return
+        state = self.slot_state(next_pos)
+        priority = torch.where(valid, self.policy.priority(state), float("inf"))
+        lowest = torch.topk(priority, min(self.spare + 1, priority.shape[-1]), dim=-1, largest=False)
+        last_out = lowest.values.gather(-1, (excess - 1).clamp(min=0))
+        first_in = lowest.values.gather(-1, excess.clamp(max=lowest.values.shape[-1] - 1))
+        tie = ((last_out == first_in) | (excess >= lowest.values.shape[-1])) & (excess > 0)
+        if bool(tie.any()):  # a sync
+            return super()._evict(next_pos, window, added)
+        self._free(valid & (priority <= last_out) & (excess > 0))
+        self.kept_bound = min(self.kept_bound, self.max_capacity)
+
+    def _evict_row(self, valid: torch.Tensor | None, state: SlotState) -> bool:
+        """Every row holds exactly `heads` tokens over its capacity: free its `heads` lowest priorities (the
+        next step writes there: `vacant`). `valid` None: every slot holds a token. Returns False, freeing
+        nothing, when the `heads`-th and the next lowest tie (only the exact order says which goes)."""
+        priority = self.policy.priority(state)
+        if valid is not None:
+            priority = torch.where(valid, priority, float("inf"))
+        if self._kernels(priority.device) and priority.dtype == torch.float32:
+            slots, tied = native.lowest_slots(priority, self.spare)  # one pass for the four ops below
+        else:
+            lowest = torch.topk(priority, self.spare + 1, dim=-1, largest=False)
+            tied = bool((lowest.values[..., -2] == lowest.values[..., -1]).any())  # a sync
+            slots = lowest.indices[..., : self.spare].sort(dim=-1).values  # so a token's heads go in head order
+        if tied:
+            return False
+        for name, empty in (("pos", -1), ("score", 0.0), ("last", 0.0)):
+            if getattr(self, name) is not None:
+                getattr(self, name).scatter_(2, slots, empty)
+        self.vacant = (slots, self.pos)
+        self.kept_bound = min(self.kept_bound, self.max_capacity)
+        return True
+
+    def kept(self) -> torch.Tensor:
+        """Tokens kept per (sequence, real KV head), [B, heads]."""
+        counts = torch.zeros(self.pos.shape[0], self.kv_heads, dtype=torch.int64, device=self.device)
+        return counts.scatter_add_(1, self.head[:, 0].long(), (self.pos[:, 0] >= 0).long())
+
+
+def first_free(pos: torch.Tensor, count: int) -> torch.Tensor:
+    """The first `count` empty slots (pos -1) of each row of `pos` [B, 1, S], in slot order, [B, 1, count]
+    (there must be that many): each empty slot's rank among the empty ones, scattered to its index."""
+    empty = pos < 0
+    rank = torch.where(empty, empty.cumsum(-1) - 1, count).clamp_(max=count)  # others go to a spare column
+    slots = torch.arange(pos.shape[-1], device=pos.device).expand_as(pos)
+    found = torch.zeros(*pos.shape[:2], count + 1, dtype=torch.int64, device=pos.device)
+    return found.scatter_(2, rank, slots)[..., :count]

@@ -1,0 +1,85 @@
+"""What the layers of one cache share: its settings, and which columns of a forward call are real tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from h2o_kv.policies import Policy
+
+Mode = Literal["drop", "mask"]
+
+
+class PaddingMemo:
+    """Which new columns of a forward call are real tokens: computed once per call, shared by the layers."""
+
+    def __init__(self) -> None:
+        self._memo: tuple | None = None
+
+    def real_tokens(
+        self, mask: torch.Tensor | None, batch: int, n: int, device: torch.device
+    ) -> tuple[torch.Tensor, bool]:
+        """[B, n] True for real tokens, and whether any column is padding."""
+        if self._memo is not None and self._memo[0] is mask and self._memo[1].shape == (batch, n):
+            return self._memo[1], self._memo[2]
+        if n == 1 and capturing():  # a decode step's one column is a real token; checking it would need the host
+            return torch.ones(batch, 1, dtype=torch.bool, device=device), False
+        real = _real_tokens(mask, batch, n, device)
+        self._memo = (mask, real, not bool(real.all()))
+        return real, self._memo[2]
+
+
+@dataclass
+class Settings:
+    """What every layer of one cache shares: the policy and how to apply it."""
+
+    policy: Policy
+    mode: Mode = "drop"
+    prefill_chunk: int | None = None
+    prompt_len: int | None = None  # size budgets from this many prompt tokens instead of the first call's
+    padding: PaddingMemo | None = None
+    kv_dtype: str | None = None  # "int8": keys and values stored quantized with per-token scales (quant.py)
+    compile_kernel: bool = False  # CPU decode steps over float32, int8 or head-pooled storage run native.py's kernels
+
+    def __post_init__(self) -> None:
+        self._work: torch.Tensor | None = None
+        if self.padding is None:
+            self.padding = PaddingMemo()
+        lengths = torch.tensor([[[1000]], [[1999]]])
+        capacity = self.policy.capacity(lengths)  # a fraction of the prompt gives different capacities
+        self.sized_by_prompt = capacity is not None and bool(capacity[0] != capacity[1])
+
+    @property
+    def compileable(self) -> bool:
+        """Whether a decode step runs without a host sync once the storage is full, so that `torch.compile` and CUDA
+        graphs take it: drop mode (mask mode grows its storage every step) with one storage row per KV head."""
+        return self.mode == "drop" and not self.policy.head_pooled
+
+    def work(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A flat buffer of at least `numel` elements, shared by the cache's layers (they run one after
+        another) and kept between steps: where int8 storage (or bfloat16 on a CPU) is widened for a decode
+        step's float products (kernel.widen). It is working memory, like the attention logits, so
+        `nbytes()` does not count it; it is one layer's keys and values in float."""
+        work = self._work
+        if work is None or work.numel() < numel or work.dtype != dtype or work.device != device:
+            work = self._work = torch.empty(numel, dtype=dtype, device=device)
+        return work
+
+
+def capturing() -> bool:
+    """Inside a CUDA graph capture or a torch.compile trace, where the host cannot read device values."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _real_tokens(mask: torch.Tensor | None, batch: int, n: int, device: torch.device) -> torch.Tensor:
+    """[B, n] True for real tokens. A real token always attends to itself, padding never does."""
+    if mask is None:
+        return torch.ones(batch, n, dtype=torch.bool, device=device)
+    diag = mask[:, 0].diagonal(dim1=-2, dim2=-1)
+    if diag.dtype != torch.bool:  # additive float mask: 0 where attended
+        diag = diag == 0
+    return diag.expand(batch, n)

@@ -1,0 +1,150 @@
+"""A full layer's decode step, the hot path (mixed into `layer.KVLayer`, whose fields and general path it uses).
+
+Once a drop-mode layer is full, each decode step adds one token per (sequence, KV head) and evicts one: the
+new token goes into the slot the last step freed (`vacant`), every head attends over its slots, and frees
+one again (`_evict_one`: the oldest of its lowest priorities), with none of the bookkeeping a prompt, a
+chunk or a growing storage needs (`_decode_full`). On a CPU with h2o-kv's C++ kernels, and a policy whose
+priority is its score with the newest tokens kept (`Policy.protected_recent`: H2O, SnapKV), the whole step
+is one C++ pass per row (`native.decode_step`): the same operations in the same order, without a kernel
+launch, a temporary tensor or a Python call per operation. `pooled.PooledKVLayer` has its own
+`_decode_full` for a head-pooled row and shares `_attend_steady` and `_ranked_in_kernel`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from h2o_kv.backends import native
+from h2o_kv.cache.attend import compute_dtype, native_rows
+from h2o_kv.cache.quant import quantize
+from h2o_kv.cache.settings import capturing
+from h2o_kv.policies import SlotState
+
+# what a steady step reads and writes in place, at the same addresses from step to step
+STEADY_FIELDS = ("keys", "values", "pos", "score", "last", "key_scale", "value_scale", "next_pos", "vacant_buffer")
+
+
+class Steady:
+    """The steady decode step of a `KVLayer` (which provides the fields, `_write`, `_attend`, `_add_scores`,
+    `slot_state` and `_kernels`)."""
+
+    def _full(self) -> bool:
+        """A drop-mode layer whose last decode step left each head one empty slot (`_evict_one`)."""
+        return self.vacant is not None and self.vacant[1] is self.pos
+
+    def _decode_full(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, qpos: torch.Tensor, *,
+                     scaling: float, softcap: float | None) -> torch.Tensor:  # fmt: skip
+        """The steady decode step, the hot path: the general path's operations in order, without the
+        bookkeeping a prompt, a chunk or a growing storage needs. The new token [B, H, 1, D] at positions
+        `qpos` [B, 1] takes the slot the last eviction left (its score is already zero), every head attends
+        over its slots and then frees one again."""
+        slots = self._take_vacant()
+        batch, heads = slots.shape[:2]
+        recent = self._ranked_in_kernel(query.dtype, query.device)
+        if recent is not None:  # the same operations in one C++ pass per (sequence, KV head)
+            return self._decode_fused(query, keys, values, qpos, slots, recent, scaling=scaling, softcap=softcap)
+        self._write(slots, keys, values, qpos.view(batch, 1, 1).expand(batch, heads, 1), zeroed=True)
+        out, valid = self._attend_steady(query, qpos, scaling=scaling, softcap=softcap)
+        self._evict_one(valid, self.slot_state(self.next_pos))
+        return out
+
+    def _decode_fused(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, qpos: torch.Tensor,
+                      slots: torch.Tensor, recent: torch.Tensor, *, scaling: float, softcap: float | None):  # fmt: skip
+        """`_decode_full` as one `native.decode_step`: write, attend, score and evict in one pass per row."""
+        scales = None
+        if self.key_scale is not None:  # int8 storage: quantize on the way in, as `_write` does
+            (keys, values), scales = quantize(torch.stack((keys, values)))
+        out, freed = native.decode_step(
+            query,
+            self.keys,
+            self.values,
+            self.pos,
+            self.score,
+            self.last,
+            slots,
+            keys,
+            values,
+            qpos,
+            recent,
+            self.capacity,
+            scaling=scaling,
+            softcap=softcap,
+            key_scale=self.key_scale,
+            value_scale=self.value_scale,
+            new_scales=scales,
+        )
+        self.end_steady(freed)
+        return out.to(query.dtype)
+
+    def _ranked_in_kernel(self, dtype: torch.dtype, device: torch.device):
+        """The policy's `protected_recent` when this steady decode step (queries of `dtype` on `device`) runs as one
+        C++ pass (`native.decode_step`): C++ kernels on this device that read this storage (float32, bfloat16 or
+        int8), and a policy ranking by the undecayed score with the newest tokens kept (H2O, SnapKV); None
+        otherwise (the eager operations)."""
+        if not self._kernels(device) or self.policy.decay != 1.0 or not self._step_storage(dtype, device):
+            return None
+        return self.policy.protected_recent(self.slot_state(self.next_pos))
+
+    def _step_storage(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether `native.decode_step` reads this layer's storage for queries of `dtype` (`kernel.native_rows`:
+        float32 products over float32 storage, bfloat16 or int8); pooled.py's own step reads float32 rows only."""
+        return native_rows(self.keys, compute_dtype(dtype, device))
+
+    def _take_vacant(self) -> torch.Tensor:
+        """The slots [B, H, spare] the last step's eviction left, where a steady step writes its new token."""
+        slots, self.vacant = self.vacant[0], None
+        self.kept_bound += slots.shape[-1]
+        return slots
+
+    def end_steady(self, freed: torch.Tensor) -> None:
+        """After the C++ pass: the slots it freed are where the next step writes."""
+        self.vacant, self.kept_bound = (freed, self.pos), min(self.kept_bound, self.max_capacity)
+
+    def _attend_steady(self, query: torch.Tensor, qpos: torch.Tensor, *, scaling: float, softcap: float | None):
+        """A steady decode step's attention with its scores added (`_decode_full`, here and pooled.py's); returns
+        the output and which slots hold a token, None once every one does (`packed`: all rows at one capacity,
+        all reached; each step then evicts what it adds, so it stays so)."""
+        policy, packed = self.policy, self.packed is self.pos
+        out, scores, last = self._attend(query, qpos, scaling=scaling, softcap=softcap, full=packed,
+                                         want_scores=policy.needs_scores, want_last=policy.needs_last)  # fmt: skip
+        if scores is not None:
+            self._add_scores(scores, 1, observed=False, new_from=None)
+        if last is not None:
+            self.last.copy_(last)  # in place: a replayed step reads the same buffer
+        valid = None if packed else self.pos >= 0
+        uniform = not packed and self.min_capacity == self.max_capacity and not capturing()
+        if uniform and bool(valid.all()):  # a host sync, until packed (never inside a captured or compiled step)
+            self.packed = self.pos
+        return out, valid
+
+    def _evict_one(self, valid: torch.Tensor | None, state: SlotState) -> None:
+        """A decode step's eviction once the storage has more slots than any capacity: each head over its
+        capacity frees the oldest of its lowest priorities, and each head within it has an empty slot,
+        which it "frees" instead (its empty slots rank lowest). So each field is freed with one scatter,
+        without asking which heads evict, and every head ends with the slot the next step writes to (`vacant`)."""
+        priority = self.policy.priority(state)
+        if valid is not None:  # `valid` None: every slot holds a token and every head is over its capacity
+            over = valid.sum(-1, keepdim=True) > self.capacity.view(-1, 1, 1)  # [B, H, 1]
+            priority = torch.where(valid, priority, torch.where(over, float("inf"), float("-inf")))
+        lowest = priority.amin(-1, keepdim=True)
+        oldest = torch.where(priority == lowest, self.pos, torch.iinfo(torch.int64).max)
+        victim = oldest.argmin(-1, keepdim=True)  # [B, H, 1]: the oldest of the lowest (an empty slot: pos -1)
+        for name, empty in (("pos", -1), ("score", 0.0), ("last", 0.0)):
+            if getattr(self, name) is not None:
+                getattr(self, name).scatter_(2, victim, empty)
+        if self.settings.mode == "drop":
+            self.vacant = (self._kept_slots(victim), self.pos)
+        self.kept_bound = min(self.kept_bound, self.max_capacity)
+
+    def _kept_slots(self, victim: torch.Tensor) -> torch.Tensor:
+        """`victim` copied into the layer's one buffer of vacant slots, so that every steady step reads and writes
+        the same memory (what a replayed CUDA graph of the step needs); a new buffer when the shape changed."""
+        held = self.vacant_buffer
+        if held is None or held.shape != victim.shape or held.device != victim.device:
+            self.vacant_buffer = victim.clone()
+            if not capturing():  # the storage is final: torch.compile's CUDA graphs may keep its addresses
+                for name in STEADY_FIELDS:
+                    if getattr(self, name) is not None:
+                        torch._dynamo.mark_static_address(getattr(self, name))
+            return self.vacant_buffer
+        return held.copy_(victim)

@@ -1,0 +1,67 @@
+"""KV memory accounting for the engine's admission: the slots, and bytes, a request's cache can take.
+
+A request is admitted by the most KV bytes it can hold: its slots per (layer, KV head) at their widest
+(while decoding, or while its prompt goes in) times the bytes of one slot summed over layers and KV heads.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from h2o_kv.cache.layer import GROWTH
+from h2o_kv.policies import Policy
+
+
+class SlotCount:
+    """Slots per layer and KV head for a policy and request size, under one engine's mode and prefill chunk."""
+
+    def __init__(self, config, dtype: torch.dtype, kv_dtype: str | None, mode: str, prefill_chunk: int | None):
+        self.config, self.mode, self.prefill_chunk = config, mode, prefill_chunk
+        self.layout = kv_layout(config, dtype, kv_dtype)  # bytes of one slot over every layer and KV head
+        self._layer_policies = functools.lru_cache(maxsize=256)(self._own_policies)  # admission runs every step
+
+    def bytes(self, policy: Policy, prompt_len: int, max_tokens: int) -> int:
+        """Most KV bytes a request can hold while decoding (its admission size)."""
+        return self.slots(policy, prompt_len, max_tokens)[0] * self.layout
+
+    def slots(self, policy: Policy, prompt_len: int, max_tokens: int) -> tuple[int, int]:
+        """(slots per layer and KV head while decoding, most slots while its prompt goes in).
+
+        With per-layer budgets (`LayerBudgets`) it is the mean over layers, rounded up, of each layer's
+        own count, so that slots x `layout` covers every layer's slots, not the mean budget's.
+        """
+        own = self._layer_policies(policy)
+        if own is None:
+            return self._layer_slots(policy, prompt_len, max_tokens)
+        counts = [self._layer_slots(p, prompt_len, max_tokens) for p in own]
+        return -(-sum(c[0] for c in counts) // len(own)), -(-sum(c[1] for c in counts) // len(own))
+
+    def _own_policies(self, policy: Policy) -> tuple[Policy, ...] | None:
+        """Each layer's own policy, or None when every layer keeps `policy` itself."""
+        own = tuple(policy.for_layer(i, self.config) for i in range(int(self.config.num_hidden_layers)))
+        return None if all(p is policy for p in own) else own
+
+    def _layer_slots(self, policy: Policy, prompt_len: int, max_tokens: int) -> tuple[int, int]:
+        capacity = policy.capacity(torch.tensor([prompt_len]))
+        if self.mode == "mask":  # nothing is freed: every token keeps its slot
+            return prompt_len + max_tokens, prompt_len
+        if capacity is None:
+            final = -(-(prompt_len + max_tokens) // GROWTH) * GROWTH
+            return final, -(-prompt_len // GROWTH) * GROWTH
+        kept = int(capacity)
+        decode = min(kept, prompt_len + max_tokens) + 1
+        return decode, min(prompt_len, kept + (self.prefill_chunk or prompt_len)) + 1
+
+
+def kv_layout(config, dtype: torch.dtype, kv_dtype: str | None = None) -> int:
+    """Bytes of one slot summed over layers and KV heads: key + value (+ their int8 scales) + position +
+    score (+ last)."""
+    layers = int(config.num_hidden_layers)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    if kv_dtype == "int8":
+        return layers * kv_heads * (2 * head_dim + 2 * 4 + 8 + 4 + 4)
+    element = torch.empty(0, dtype=dtype).element_size()
+    return layers * kv_heads * (2 * head_dim * element + 8 + 4 + 4)

@@ -1,0 +1,278 @@
+"""The OpenAI-compatible HTTP API over one continuous-batching Engine: `create_app(engine, model_name)`.
+
+Each request is tokenized here, submitted to the engine (which runs in its own thread), and its
+events come back to the event loop through `loop.call_soon_threadsafe`. Bad input is answered
+with a 400 in OpenAI's error shape before anything reaches the engine; a client that goes away
+cancels its request, which frees its rows at the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from h2o_kv.runtime.generation import Sampling
+from h2o_kv.runtime.serve import schemas
+from h2o_kv.runtime.serve.metrics import CONTENT_TYPE, ServerMetrics
+from h2o_kv.runtime.serve.requests import ApiError, prompt_ids, resolve, submit_error
+
+
+class _Events:
+    """One request's engine events, handed from the engine's thread to the event loop.
+
+    `run` sees each event on the engine's thread first, so metrics count a request's end (and the
+    first token's time) even when its client has gone and nobody reads the queue any more.
+    """
+
+    def __init__(self, run: _Run) -> None:
+        self.run = run
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, event) -> None:  # called on the engine's thread
+        self.run.saw(event)
+        if self.loop.is_closed():  # the server has stopped; nobody is waiting for this event
+            return
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    async def __aiter__(self):
+        while True:
+            event = await self.queue.get()
+            yield event
+            if event.finish_reason is not None:
+                return
+
+
+_UNION_TAG = re.compile(r"^(str|int|float|bool|(list|dict)\[.*\])$")  # pydantic names a union's member in `loc`
+
+
+def _sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(
+        status_code=err.status, content=schemas.error_body(err.message, type=err.type, param=err.param, code=err.code)
+    )
+
+
+def _validation_error(err: RequestValidationError) -> ApiError:
+    """FastAPI's 422 for a malformed body, as OpenAI's 400 naming the first offending field."""
+    first = err.errors()[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body" and not _UNION_TAG.match(str(part))]
+    kind = first.get("type")
+    if kind == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", first.get("msg"))
+        return ApiError(400, f"the request body is not valid JSON: {detail}", code="json_invalid")
+    if not loc:
+        return ApiError(400, f"the request body must be a JSON object: {first.get('msg')}", code=kind)
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return ApiError(400, f"{'.'.join(loc)}: {message}", param=loc[0], code=kind)
+
+
+def create_app(engine, model_name: str, *, tokenizer=None, manage_engine: bool = True) -> FastAPI:
+    """An app serving `engine` under `model_name`.
+
+    With `manage_engine` the app starts the engine's thread on startup and shuts it down (ending
+    whatever still runs) on shutdown; uvicorn's graceful shutdown lets open streams finish first.
+    """
+    tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
+    metrics = ServerMetrics(engine)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if manage_engine:
+            engine.start()
+        yield
+        if manage_engine:
+            await asyncio.to_thread(engine.shutdown, drain=False)
+
+    app = FastAPI(title="h2o-kv", lifespan=lifespan)
+    app.state.engine, app.state.metrics = engine, metrics
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, err: ApiError) -> JSONResponse:
+        metrics.rejected.labels(str(err.status)).inc()
+        return _error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, err: RequestValidationError) -> JSONResponse:
+        return await api_error(request, _validation_error(err))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, err: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        return await api_error(request, ApiError(err.status_code, str(err.detail), type=kind))
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "model": model_name}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/reset_peaks", status_code=204)
+    async def reset_peaks() -> Response:
+        """Restart the peak gauges (a load generator calls it before each configuration)."""
+        await asyncio.to_thread(engine.reset_peaks)
+        return Response(status_code=204)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [schemas.model_card(model_name, created)]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> dict:
+        _check_model(name)
+        return schemas.model_card(model_name, created)
+
+    @app.post("/v1/completions")
+    async def completions(body: schemas.CompletionRequest, request: Request):
+        _check_model(body.model)
+        ids = prompt_ids(tokenizer, body.prompt, vocab_size=_vocab_size(engine, tokenizer))
+        return await _serve(request, body, ids, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: schemas.ChatRequest, request: Request):
+        _check_model(body.model)
+        if not getattr(tokenizer, "chat_template", None):
+            raise ApiError(400, f"model {model_name!r} has no chat template; use /v1/completions", param="messages")
+        messages = [message.template_dict() for message in body.messages]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return await _serve(request, body, ids, chat=True)
+
+    def _check_model(name: str) -> None:
+        if name != model_name:
+            raise ApiError(
+                404, f"the model {name!r} does not exist; this server serves {model_name!r}", param="model",
+                code="model_not_found", type="not_found_error",
+            )  # fmt: skip
+
+    async def _serve(request: Request, body: schemas._Request, ids: list[int], *, chat: bool):
+        arrived = time.perf_counter()
+        job = resolve(engine, body, ids)
+        run = _Run(metrics, arrived)
+        events = _Events(run)
+        sampling = Sampling(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            seed=body.seed,
+        )
+        stop = tuple(body.stop)
+        try:
+            req = engine.submit(
+                ids, max_tokens=job.max_tokens, sampling=sampling, stop=stop, policy=job.policy, budget=job.budget,
+                ignore_eos=body.ignore_eos, on_event=events.put,
+            )  # fmt: skip
+        except ValueError as err:
+            raise submit_error(err, prompt_param="messages" if chat else "prompt") from None
+        except RuntimeError as err:  # the engine is shutting down
+            raise ApiError(503, str(err), type="server_error", code="shutting_down") from None
+        metrics.prompt_tokens.inc(len(ids))
+        rid = schemas.new_id("chatcmpl" if chat else "cmpl")
+        run.req = req
+        if body.stream:
+            stream = _stream(run, events, rid, model_name, chat=chat, include_usage=body.include_usage)
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+        text, finish = await _collect(request, run, events)
+        if finish == "error":
+            raise ApiError(500, f"generation failed: {req.error}", type="server_error", code="generation_failed")
+        use = schemas.usage(req.prompt_tokens, run.tokens)
+        build = schemas.chat_completion if chat else schemas.completion
+        return build(rid, model_name, text, finish, use)
+
+    return app
+
+
+def _vocab_size(engine, tokenizer) -> int:
+    config = engine.model.config
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(getattr(config, "vocab_size", None) or len(tokenizer))
+
+
+class _Run:
+    """Bookkeeping of one submitted request: token count, first-token time, metrics at the end."""
+
+    def __init__(self, metrics: ServerMetrics, arrived: float) -> None:
+        self.metrics, self.arrived, self.req = metrics, arrived, None
+        self.tokens, self.first_at, self.finished = 0, None, False
+
+    def saw(self, event) -> None:
+        if event.token_id is not None:
+            self.tokens += 1
+            if self.first_at is None:
+                self.first_at = time.perf_counter()
+                self.metrics.ttft.observe(self.first_at - self.arrived)
+        if event.finish_reason is not None:
+            self.finished = True
+            self.metrics.requests.labels(event.finish_reason).inc()
+            self.metrics.latency.observe(time.perf_counter() - self.arrived)
+
+    def abandon(self) -> None:
+        """The client went away (or the server is stopping): free the request's rows."""
+        if not self.finished:
+            self.req.cancel()
+
+
+async def _collect(request: Request, run: _Run, events: _Events) -> tuple[str, str]:
+    """The whole completion; cancels the request if the client disconnects while waiting."""
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        run.abandon()
+
+    watcher = asyncio.create_task(watch())
+    parts: list[str] = []
+    finish = "length"
+    try:
+        async for event in events:
+            parts.append(event.text)
+            finish = event.finish_reason or finish
+    finally:
+        watcher.cancel()
+        run.abandon()
+    return "".join(parts), finish
+
+
+async def _stream(
+    run: _Run, events: _Events, rid: str, model: str, *, chat: bool, include_usage: bool
+) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's chunk shape, ending in `data: [DONE]`.
+
+    If the client disconnects, Starlette cancels this generator and `finally` cancels the request.
+    """
+    try:
+        if chat:
+            yield _sse(schemas.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None, include_usage))
+        async for event in events:
+            if event.finish_reason == "error":  # OpenAI's in-stream error shape; the stream still ends cleanly
+                failure = f"generation failed: {run.req.error}"
+                yield _sse(schemas.error_body(failure, type="server_error", code="generation_failed"))
+                break
+            if not event.text and event.finish_reason is None:
+                continue  # a token whose text is held back (a partial character or a possible stop string)
+            if chat:
+                delta = {"content": event.text} if event.text else {}
+                yield _sse(schemas.chat_chunk(rid, model, delta, event.finish_reason, include_usage))
+            else:
+                yield _sse(schemas.completion_chunk(rid, model, event.text, event.finish_reason, include_usage))
+        if include_usage:
+            use = schemas.usage(run.req.prompt_tokens, run.tokens)
+            yield _sse(schemas.usage_chunk(rid, "chat.completion.chunk" if chat else "text_completion", model, use))
+        yield _sse("[DONE]")
+    finally:
+        run.abandon()

@@ -1,0 +1,121 @@
+"""`h2o-kv serve`: the OpenAI-compatible server on uvicorn, with its flags.
+
+Only argparse and the policies are imported here, so `h2o-kv --help` works without the serve
+extra; FastAPI and uvicorn are imported when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+from h2o_kv import policies
+from h2o_kv.cache.quant import KV_DTYPES
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str) -> int:
+    """'512MiB', '2GB', '1.5GiB' or plain bytes '1000000' as a byte count (>= 1)."""
+    match = _SIZE.match(str(text))
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _UNITS:
+        raise ValueError(f"--kv-memory {text!r} is not a size: give bytes (1000000) or e.g. 512MiB, 2GB, 1.5GiB")
+    size = int(float(match.group(1)) * _UNITS[unit])
+    if size < 1:
+        raise ValueError(f"--kv-memory must be at least 1 byte, got {text!r}")
+    return size
+
+
+def served_name(model: str) -> str:
+    """The model id clients send: the bundled name, an HF id, or a local path's last part."""
+    path = Path(model).expanduser()
+    return path.stem if model.endswith(".gguf") else path.name if path.exists() else model
+
+
+def engine_settings(args: argparse.Namespace) -> dict:
+    """Engine keyword arguments from the flags, checked before the model loads."""
+    budget = None if args.budget is None else policies.parse_budget(args.budget)
+    if args.policy == "full":
+        budget = None
+    policies.build(args.policy, budget, sinks=args.sinks)  # the CLI's rule: refuse a bad pair now
+    kv_memory = None if args.kv_memory is None else parse_bytes(args.kv_memory)
+    for flag, value in (("--max-batch", args.max_batch), ("--prefill-chunk", args.prefill_chunk)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    return dict(
+        policy=args.policy,
+        budget=budget,
+        kv_memory=kv_memory,
+        max_batch=args.max_batch,
+        prefill_chunk=args.prefill_chunk,
+        sinks=args.sinks,
+        kv_dtype=args.kv_dtype,
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    settings = engine_settings(args)
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if not 0 <= args.drain_timeout < float("inf"):  # also refuses nan
+        raise ValueError(f"--drain-timeout must be a number of seconds >= 0, got {args.drain_timeout}")
+    try:
+        from h2o_kv.runtime.serve.app import create_app
+        from h2o_kv.runtime.serve.server import Server
+    except ImportError as err:
+        raise ValueError(f"the server needs the serve extra: pip install 'h2o-kv[serve]' ({err})") from None
+    from h2o_kv.runtime.engine import Engine
+    from h2o_kv.runtime.models import load_model
+
+    model, tokenizer = load_model(args.model, device=args.device)
+    engine = Engine(model, tokenizer, **settings)
+    app = create_app(engine, args.served_model_name or served_name(args.model))
+    Server.for_app(app, engine, host=args.host, port=args.port, drain_timeout=args.drain_timeout,
+                   log_level=args.log_level).run()  # fmt: skip
+    return 0
+
+
+def add_parser(sub) -> None:
+    serve = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible server (continuous batching over one bounded KV cache)",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics on "
+        "127.0.0.1. Requests may override the KV policy and budget with the body fields kv_policy, kv_budget.",
+    )
+    serve.add_argument("--model", default="smollm2-135m", help="bundled name, HF id, local dir or .gguf file")
+    serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: from --model)")
+    serve.add_argument("--device", default="cpu")
+    serve.add_argument(
+        "--policy", default=policies.DEFAULT, choices=policies.NAMES, help=f"default KV policy ({policies.DEFAULT})"
+    )
+    serve.add_argument(
+        "--budget",
+        default="512",
+        help="default KV budget: tokens (64) or a prompt fraction (0.2, 20%%); default 512 tokens per sequence and "
+        "KV head (short chats keep everything; a fraction of a 40-token chat would keep 8)",
+    )
+    serve.add_argument("--sinks", type=int, default=4, help="StreamingLLM sink tokens")
+    serve.add_argument(
+        "--kv-memory", default="1GiB", help="bytes the KV cache may use, e.g. 512MiB, 2GB (default 1GiB)"
+    )
+    serve.add_argument(
+        "--kv-dtype",
+        default=None,
+        choices=list(KV_DTYPES),
+        help="store kept keys and values as int8 with per-token scales: about 3.5x the sequences in --kv-memory",
+    )
+    serve.add_argument("--max-batch", type=int, default=16, help="most sequences decoding together (default 16)")
+    serve.add_argument(
+        "--prefill-chunk", type=int, default=256, help="prompt tokens per prefill step between decode steps"
+    )
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="on SIGTERM, seconds in-flight requests may finish"
+    )
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.set_defaults(func=cmd_serve)

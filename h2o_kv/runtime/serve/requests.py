@@ -1,0 +1,93 @@
+"""From a validated request body to what the engine needs: prompt ids, KV policy and budget, token limit.
+
+Every refusal is an `ApiError` naming the request field, checked with the same rules as the CLI
+(`policies.parse_budget` / `policies.build`), so the engine only ever sees input it accepts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from h2o_kv import policies
+from h2o_kv.runtime.generation import encode
+
+
+class ApiError(Exception):
+    """An HTTP error with OpenAI's error fields."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+        type: str = "invalid_request_error",
+    ) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+
+def prompt_ids(tokenizer, prompt: str | list[int], *, vocab_size: int) -> list[int]:
+    """Token ids of a completions prompt: text (tokenized as is, no chat template) or ids checked in range."""
+    if isinstance(prompt, str):
+        try:
+            return encode(tokenizer, prompt, chat=False)
+        except ValueError as err:
+            raise ApiError(400, f"prompt: {err}", param="prompt") from None
+    if not prompt:
+        raise ApiError(400, "prompt: the prompt is empty", param="prompt")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise ApiError(400, f"prompt: token ids must be in [0, {vocab_size}), got {bad[0]}", param="prompt")
+    return list(prompt)
+
+
+def _budget(value: str | float | int) -> policies.Budget:
+    """kv_budget from JSON: a string as the CLI's --budget, a number as policies.build takes it."""
+    if isinstance(value, str):
+        return policies.parse_budget(value)
+    policies.check_budget_value(value, "kv_budget")
+    return value
+
+
+@dataclass(frozen=True)
+class Job:
+    """What one request asks of the engine. policy/budget None: the engine's defaults."""
+
+    policy: str | None
+    budget: policies.Budget
+    max_tokens: int
+
+
+def resolve(engine, body, ids: list[int]) -> Job:
+    """Check the request's KV policy, budget and token limit; refusals are ApiErrors naming the field.
+
+    The policy is resolved as the engine will (`engine.resolve_policy`: the server's defaults,
+    overridden by kv_policy and kv_budget), so a request the engine would refuse is refused here.
+    """
+    budget = None
+    if body.kv_budget is not None:
+        try:
+            budget = _budget(body.kv_budget)
+        except (ValueError, TypeError) as err:
+            raise ApiError(400, f"kv_budget: {err}", param="kv_budget") from None
+    try:
+        engine.resolve_policy(body.kv_policy, budget)
+    except (ValueError, TypeError) as err:
+        param = "kv_policy" if str(err).startswith("unknown policy") else "kv_budget"
+        raise ApiError(400, f"{param}: {err}", param=param) from None
+    context = engine.context_limit
+    limit = body.token_limit()
+    if limit is None:
+        limit = max(1, context - len(ids))
+    elif limit > context:
+        raise ApiError(
+            400, f"max_tokens {limit} is more than the model's context of {context} tokens", param="max_tokens"
+        )
+    return Job(policy=body.kv_policy, budget=budget, max_tokens=limit)
+
+
+def submit_error(err: ValueError, *, prompt_param: str) -> ApiError:
+    """The engine's refusal of a request that passed `resolve` (too long for the context or for the KV memory)."""
+    message = str(err)
+    if "context" in message:
+        return ApiError(400, f"{prompt_param}: {message}", param=prompt_param, code="context_length_exceeded")
+    if "KV cache" in message:
+        return ApiError(400, message, param=prompt_param, code="kv_memory_exceeded")
+    return ApiError(400, message)

@@ -1,0 +1,163 @@
+"""`h2o-kv eval`: accuracy of a model under KV-cache policies and budgets (see `run.run_eval`).
+
+    h2o-kv eval                                   # small default: results/eval/ on the bundled model
+    h2o-kv eval --size large                      # the fuller protocol (long; hours on a CPU)
+    h2o-kv eval --size large --resume             # after an interruption: reuse the finished cells
+    h2o-kv eval --tasks perplexity --budgets 64,128,256 --corpus my_texts/
+    h2o-kv eval --tasks summarize --data xsum.jsonl
+Also runnable as `python -m h2o_kv.studies.eval.cli ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from h2o_kv.studies.eval import parse_budgets
+from h2o_kv.studies.eval.sizes import DEFAULT_BUDGETS, DEFAULT_POLICIES, DEFAULT_TASKS, SIZES, TASKS
+from h2o_kv.studies.report import command_line, missing_extra
+
+
+def _budgets(text: str) -> list[float | int]:
+    try:
+        return parse_budgets(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _list(text: str) -> list[str]:
+    return [s.strip() for s in text.split(",") if s.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--model", default="smollm2-135m", help="bundled name, local HF dir, .gguf file or hub id")
+    add("--device", default="cpu")
+    add("--tasks", default=",".join(DEFAULT_TASKS), help=f"comma list of {', '.join(TASKS)}")
+    add(
+        "--policies",
+        default=",".join(DEFAULT_POLICIES),
+        help="comma list (a name ending in -int8 stores int8 KV); Full always runs as the reference",
+    )
+    add(
+        "--budgets",
+        type=_budgets,
+        default=",".join(map(str, DEFAULT_BUDGETS)),
+        help="fractions of the length (0.05,0.1,0.2,0.5) or token counts (64,128,256)",
+    )
+    add(
+        "--size",
+        default="small",
+        choices=sorted(SIZES),
+        help="small: minutes on a CPU; large: the fuller protocol; niah: needle retrieval, 20 samples per "
+        "context; ruler: passkey and variable tracking, 20 samples (the kvpress side by side's)",
+    )
+    add("--mode", default="drop", choices=["drop", "mask"], help="drop frees evicted tokens (faster, same numbers)")
+    add("--corpus", default=None, help="text file, directory of *.txt or HF dataset name[:config][:split]")
+    add("--data", default=None, help="JSONL with fields document and summary (for --tasks summarize)")
+    add("--chunk", type=int, default=None, help="tokens fed between evictions when streaming (1: token by token)")
+    add("--contexts", default=None, help="retrieval context lengths, e.g. 1024,2048 (default: the size's)")
+    add("--prefills", default=None, help="retrieval prefill settings: oneshot,stream (default: the size's)")
+    add("--windows", type=int, default=None, help="perplexity text windows (default: the size's)")
+    add("--out", default="results/eval", help="output directory (tables and plots; finished cells in OUT/cells)")
+    add(
+        "--resume",
+        action="store_true",
+        help="reuse the finished perplexity and retrieval cells in OUT/cells whose model, settings and h2o-kv "
+        "source match, and run only the rest (an interrupted study picks up where it stopped)",
+    )
+    add("--seed", type=int, default=0)
+    add("--threads", type=int, default=None, help="torch CPU threads")
+    add("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register the `eval` subcommand on an argparse subparsers object (runs `main` as args.func)."""
+    parser = subparsers.add_parser(
+        "eval",
+        help="accuracy under KV budgets: perplexity, retrieval, fidelity, summarisation",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    parser.set_defaults(func=main)
+    return parser
+
+
+def main(args: argparse.Namespace) -> int:
+    """Load the model, run the evaluation, write the results and print where they are."""
+    missing = missing_extra("eval", "eval", ("matplotlib", "tqdm"))
+    if missing:
+        print(missing, file=sys.stderr)
+        return 2
+    import torch
+
+    from h2o_kv.runtime.models import load_model
+    from h2o_kv.studies.eval.run import check_eval, run_eval
+
+    check_eval(_list(args.tasks), _list(args.policies), args.data)  # bad names: one line, no model loaded
+    size = SIZES[args.size].with_contexts(_contexts(args.contexts), _prefills(args.prefills)).with_windows(args.windows)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model, device=args.device)
+    rows = run_eval(
+        model,
+        tokenizer,
+        tasks=_list(args.tasks),
+        policies=_list(args.policies),
+        budgets=args.budgets,
+        size=size,
+        mode=args.mode,
+        corpus=args.corpus,
+        data=args.data,
+        seed=args.seed,
+        out_dir=args.out,
+        progress=not args.no_progress,
+        chunk=args.chunk,
+        command=command_line(),
+        resume=args.resume,
+    )
+    print(f"{len(rows)} rows; tables and plots in {args.out}/ (summary: {args.out}/summary.md)")
+    return 0
+
+
+def _contexts(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        values = tuple(int(item) for item in text.split(",") if item.strip())
+    except ValueError:
+        raise ValueError(f"--contexts must be token counts such as 1024,2048, got {text!r}") from None
+    if not values or min(values) < 64:
+        raise ValueError(f"--contexts must be token counts of at least 64, got {text!r}")
+    return values
+
+
+def _prefills(text: str | None) -> tuple[str, ...] | None:
+    if text is None:
+        return None
+    values = tuple(item.strip() for item in text.split(",") if item.strip())
+    if not values or set(values) - {"oneshot", "stream"}:
+        raise ValueError(f"--prefills must be oneshot and/or stream, got {text!r}")
+    return values
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m h2o_kv.studies.eval.cli",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return main(args)
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        print(f"h2o-kv eval: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

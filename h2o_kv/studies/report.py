@@ -1,0 +1,121 @@
+"""Writing study results, shared by the bench and the eval: CSV and JSON tables, the record of the
+machine and versions a run used, the command that made it, and matplotlib set up for files.
+
+Only the standard library and torch at import time; matplotlib is imported by `pyplot()` when a
+study draws its plots (the `bench` and `eval` extras install it).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import platform
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from h2o_kv.cache.attend import native_products
+from h2o_kv.runtime.allocator import malloc_state
+
+Row = dict[str, Any]
+
+
+def write_json(path: Path, data: Any) -> Path:
+    """`data` as indented JSON (values JSON cannot hold, such as paths or dtypes, as strings)."""
+    path.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    return path
+
+
+def cell(value: Any) -> Any:
+    """A CSV cell: floats to 6 significant digits (inf spelled out), None empty, the rest as is."""
+    if isinstance(value, float):
+        return str(value) if math.isinf(value) or math.isnan(value) else f"{value:.6g}"
+    return "" if value is None else value
+
+
+def write_csv(path: Path, columns: Sequence[str], rows: Iterable[Row]) -> Path:
+    """One line per row with `columns` in order; keys outside `columns` are left out."""
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({key: cell(row.get(key)) for key in columns})
+    return path
+
+
+def environment() -> Row:
+    """Where the numbers come from: timings only compare on the same machine, versions and threads."""
+    import transformers
+
+    return dict(
+        python=platform.python_version(),
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        machine=platform.machine(),
+        processor=platform.processor() or None,
+        cpu_model=_cpu_model(),  # the VMs this runs on differ: AVX2-only, or AVX-512 with bfloat16 products
+        cpu_capability=torch.backends.cpu.get_cpu_capability(),
+        bfloat16_products=native_products(torch.bfloat16),
+        cpus=os.cpu_count(),
+        torch_threads=torch.get_num_threads(),
+        load_avg=os.getloadavg() if hasattr(os, "getloadavg") else None,  # a busy machine gives noisy timings
+        malloc=malloc_state(),  # "retained": glibc keeps freed memory (allocator.py), prompts fault far less
+        cuda=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    )
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:  # not Linux: platform.processor() above says what it can
+        return None
+
+
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """The command being run, for the results' provenance (`python -m module` spelled out as such)."""
+    argv = list(sys.argv if argv is None else argv)
+    prog = Path(argv[0]) if argv else Path("python")
+    if prog.suffix == ".py":  # python -m h2o_kv.x: argv[0] is the module's file
+        parts = prog.with_suffix("").parts
+        module = ".".join(parts[parts.index("h2o_kv") :]) if "h2o_kv" in parts else prog.stem
+        name = f"python -m {module.removesuffix('.__main__')}"
+    else:
+        name = prog.name
+    return " ".join([name, *argv[1:]])
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend (no display needed)."""
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise ImportError("plots need matplotlib: pip install 'h2o-kv[bench]' or 'h2o-kv[eval]'") from err
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: Path, *, dpi: int = 110) -> Path:
+    """Write a figure to `path` and release it."""
+    fig.savefig(path, dpi=dpi, bbox_inches="tight")
+    pyplot().close(fig)
+    return path
+
+
+def missing_extra(command: str, extra: str, modules: Sequence[str]) -> str | None:
+    """The one line to print when a study's optional packages are not installed, else None."""
+    import importlib
+
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            return f"h2o-kv {command} needs the {extra} extra ({module} is missing): pip install 'h2o-kv[{extra}]'"
+    return None

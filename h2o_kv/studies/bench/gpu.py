@@ -31,62 +31,15 @@ from pathlib import Path
 
 import torch
 
-SHAPES = {
-    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                         num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
-                         rope_theta=100000.0, max_position_embeddings=8192),
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
-                      rope_theta=500000.0, max_position_embeddings=131072),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, vocab_size=256, tie_word_embeddings=False,
-                 rope_theta=10000.0, max_position_embeddings=4096),
-}  # fmt: skip
+from h2o_kv.studies.bench.gpu_checks import check_captured, generate_compiled
+from h2o_kv.studies.bench.gpu_models import BUDGET, SHAPES, clock, copy_rate, h2o_cache, make_model, sync
+
 RUNS = {  # shape: (context, batch, decode steps)
     "smollm2-135m": (4096, 4, 64),
     "llama3-8b": (32768, 8, 32),
 }
 DRY = {"tiny": (160, 2, 4)}
 SKIP = {"llama3-8b": {"h2o-compiled", "generate-compiled", "check-captured"}}  # compiling 8B twice more: minutes
-BUDGET = 0.2
-
-
-def make_model(shape: str, device: torch.device, dtype: torch.dtype):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(**SHAPES[shape], attn_implementation="sdpa")
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(config).eval()
-    finally:
-        torch.set_default_dtype(previous)
-    return model
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def clock(device: torch.device, fn) -> float:
-    """Seconds `fn()` takes, the device drained before and after."""
-    sync(device)
-    start = time.perf_counter()
-    fn()
-    sync(device)
-    return time.perf_counter() - start
-
-
-def copy_rate(device: torch.device, nbytes: int) -> float:
-    """Bytes read plus written per second by a large device-to-device copy (the bandwidth floor's rate)."""
-    src = torch.rand(nbytes // 4, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    seconds = statistics.median(clock(device, lambda: dst.copy_(src)) for _ in range(10))
-    return 2 * nbytes / seconds
 
 
 def decode_loop(step, token: torch.Tensor, start: int, steps: int, warm: int, device) -> tuple[float, list]:
@@ -141,21 +94,6 @@ def run_stock(model, kind: str, context: int, batch: int, steps: int, compiled: 
     seconds, _ = decode_loop(stock_step(model, cache, compiled), token, start, steps, 3 if compiled else 2, device)
     kv = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
     return dict(step_ms=1000 * seconds, tok_s=batch / seconds, kv_bytes=kv)
-
-
-def h2o_cache(model, name: str, budget: int, prompt_len: int, batch: int, device, kv_dtype=None):
-    """A KVCache of `name` (h2o or snapkv) at `budget` tokens, prefilled with a random prompt; (cache, prefill s,
-    the greedy next token)."""
-    from h2o_kv import KVCache, enable
-    from h2o_kv.policies import build
-    from h2o_kv.runtime.generation import prefill
-
-    enable(model)
-    cache = KVCache(build(name, budget), kv_dtype=kv_dtype)
-    ids = torch.randint(model.config.vocab_size, (batch, prompt_len), device=device)
-    box = {}
-    seconds = clock(device, lambda: box.update(logits=prefill(model, cache, ids)))
-    return cache, seconds, box["logits"].argmax(-1)
 
 
 def compiled_step(model, cache, device):
@@ -270,8 +208,6 @@ def attention_ops(context: int, shape: str, device, dtype) -> dict:
 
 def study(shape: str, context: int, batch: int, steps: int, device, dtype, log, only=None) -> None:
     """Run the cells of one shape (`only`: those named), logging a row per cell."""
-    from h2o_kv.studies.bench.gpu_checks import check_captured, generate_compiled
-
     model = make_model(shape, device, dtype)
     cells = [
         ("static", lambda: run_stock(model, "static", context, batch, steps, False, device)),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from h2o_kv.studies.bench.gpu import BUDGET, clock, h2o_cache
+from h2o_kv.studies.bench.gpu_models import BUDGET, clock, h2o_cache
 
 
 def check_captured(model, context: int, batch: int, device) -> dict:

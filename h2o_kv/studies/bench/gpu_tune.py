@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from h2o_kv.backends import triton_decode, triton_scores
-from h2o_kv.studies.bench import gpu
+from h2o_kv.studies.bench import gpu, gpu_models
 
 DECODE_SHAPES = {"llama3-8b": (8, 32, 8, 6553, 128), "smollm2-135m": (4, 9, 3, 819, 64)}  # B, Hq, H, slots, D
 DECODE_GRID = [dict(block=b, num_warps=w, num_stages=s, per_sm=p)
@@ -79,10 +79,10 @@ def tune_scores(device, context: int = 32768) -> dict:
 
 def profile_prefill(out: Path, device, context: int = 32768) -> None:
     """The op table of one H2O prefill of Llama-3-8B's shapes at `context` tokens (where its time goes)."""
-    model = gpu.make_model("llama3-8b", device, torch.bfloat16)
-    gpu.h2o_cache(model, "h2o", int(gpu.BUDGET * context), context, 1, device)
+    model = gpu_models.make_model("llama3-8b", device, torch.bfloat16)
+    gpu_models.h2o_cache(model, "h2o", int(gpu_models.BUDGET * context), context, 1, device)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        gpu.h2o_cache(model, "h2o", int(gpu.BUDGET * context), context, 1, device)
+        gpu_models.h2o_cache(model, "h2o", int(gpu_models.BUDGET * context), context, 1, device)
     (out / "profile_prefill.txt").write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
     del model
 

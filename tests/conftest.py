@@ -116,3 +116,19 @@ def tiny_tokenizer():
 def random_ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (batch, length), generator=gen)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The bundled model's tokenizer, padding on the left (skips where `make setup` has not run)."""
+    from serve_helpers import bundled_tokenizer
+
+    return bundled_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    """A tiny random Llama with the bundled tokenizer's vocabulary (serve_helpers.tiny_model)."""
+    from serve_helpers import tiny_model
+
+    return tiny_model(tokenizer)

@@ -24,10 +24,13 @@ def bundled_tokenizer():
         bundled_gguf_path()
     except FileNotFoundError as err:
         pytest.skip(str(err))
-    return tf.AutoTokenizer.from_pretrained(_resolve("smollm2-135m"))
+    tok = tf.AutoTokenizer.from_pretrained(_resolve("smollm2-135m"))
+    tok.pad_token = tok.pad_token or tok.eos_token
+    tok.padding_side = "left"
+    return tok
 
 
-def tiny_model(tokenizer, seed: int = 0) -> torch.nn.Module:
+def tiny_model(tokenizer, seed: int = 0, context: int = CONTEXT) -> torch.nn.Module:
     torch.manual_seed(seed)
     cfg = tf.LlamaConfig(
         vocab_size=len(tokenizer),
@@ -36,7 +39,7 @@ def tiny_model(tokenizer, seed: int = 0) -> torch.nn.Module:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=CONTEXT,
+        max_position_embeddings=context,
     )
     return h2o_kv.enable(tf.LlamaForCausalLM(cfg).eval())
 

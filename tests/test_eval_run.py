@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers as tf
+from serve_helpers import tiny_model
 
 import h2o_kv
 from h2o_kv.policies import budget_tokens
@@ -41,36 +41,11 @@ class WordTokenizer:
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    """The bundled model's tokenizer (loads in about a second once `make setup` converted the model)."""
-    from h2o_kv.runtime.models import _resolve, bundled_gguf_path
-
-    try:
-        bundled_gguf_path()
-    except FileNotFoundError as err:
-        pytest.skip(str(err))
-    tok = tf.AutoTokenizer.from_pretrained(_resolve("smollm2-135m"))
-    tok.pad_token = tok.pad_token or tok.eos_token
-    tok.padding_side = "left"
-    return tok
-
-
-@pytest.fixture(scope="module")
 def tiny_lm(tokenizer):
     """A tiny random Llama with the bundled tokenizer's vocabulary, so text tasks run in seconds."""
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-    )
-    model = tf.LlamaForCausalLM(cfg).eval()
+    model = tiny_model(tokenizer, context=4096)
     model.generation_config.eos_token_id = None
-    return h2o_kv.enable(model)
+    return model
 
 
 @pytest.fixture(scope="module")

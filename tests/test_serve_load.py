@@ -19,22 +19,12 @@ pytest.importorskip("fastapi")
 pytest.importorskip("openai")
 
 import httpx  # noqa: E402
-from serve_helpers import MODEL, bundled_tokenizer, client, running_server, tiny_model, wait_for  # noqa: E402
+from serve_helpers import MODEL, client, running_server, wait_for  # noqa: E402
 
 from h2o_kv import policies  # noqa: E402
 from h2o_kv.runtime.serve.main import parse_bytes  # noqa: E402
 
 LIMIT_S = 120  # every concurrent phase below must finish well within this
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return bundled_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return tiny_model(tokenizer)
 
 
 class Sampler:

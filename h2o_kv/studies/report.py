@@ -109,6 +109,25 @@ def save_figure(fig: Any, path: Path, *, dpi: int = 110) -> Path:
     return path
 
 
+def study_parser(subparsers: Any, name: str, help: str, description: str, add_arguments, main, epilog=None):
+    """Register a study's subcommand (`name`, its flags from `add_arguments`, `main` run as args.func)."""
+    import argparse
+
+    parser = subparsers.add_parser(name, help=help, description=description, epilog=epilog,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    add_arguments(parser)
+    parser.set_defaults(func=main)
+    return parser
+
+
+def extra_installed(command: str, extra: str, modules: Sequence[str]) -> bool:
+    """Whether a study's optional packages are installed; prints the one line that says what to install if not."""
+    missing = missing_extra(command, extra, modules)
+    if missing:
+        print(missing, file=sys.stderr)
+    return missing is None
+
+
 def missing_extra(command: str, extra: str, modules: Sequence[str]) -> str | None:
     """The one line to print when a study's optional packages are not installed, else None."""
     import importlib

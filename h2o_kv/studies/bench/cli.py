@@ -15,7 +15,7 @@ from h2o_kv.policies import parse_budget
 from h2o_kv.studies.bench.config import EXTRA_POLICIES, POLICIES, SIZES, check_run
 from h2o_kv.studies.bench.soak import add_soak_arguments
 from h2o_kv.studies.bench.soak import main as soak_main
-from h2o_kv.studies.report import missing_extra
+from h2o_kv.studies.report import extra_installed, study_parser
 
 DESCRIPTION = (
     "Throughput and memory: the stock model (SDPA with DynamicCache and with StaticCache) against "
@@ -106,23 +106,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register the `bench` subcommand on an argparse subparsers object (runs `main` as args.func)."""
-    parser = subparsers.add_parser(
-        "bench",
-        help="throughput and memory benchmark",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    parser.set_defaults(func=main)
-    return parser
+    return study_parser(subparsers, "bench", "throughput and memory benchmark", DESCRIPTION, add_arguments, main,
+                        epilog=EPILOG)  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark from parsed flags, write the results, print the table and the bars."""
-    missing = missing_extra("bench", "bench", ("matplotlib", "tqdm"))
-    if missing:
-        print(missing, file=sys.stderr)
+    if not extra_installed("bench", "bench", ("matplotlib", "tqdm")):
         return 2
     if args.soak is not None:
         return soak_main(args)

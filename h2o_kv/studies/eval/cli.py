@@ -17,7 +17,7 @@ from typing import Any
 
 from h2o_kv.studies.eval import parse_budgets
 from h2o_kv.studies.eval.sizes import DEFAULT_BUDGETS, DEFAULT_POLICIES, DEFAULT_TASKS, SIZES, TASKS
-from h2o_kv.studies.report import command_line, missing_extra
+from h2o_kv.studies.report import command_line, extra_installed, study_parser
 
 
 def _budgets(text: str) -> list[float | int]:
@@ -75,22 +75,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register the `eval` subcommand on an argparse subparsers object (runs `main` as args.func)."""
-    parser = subparsers.add_parser(
-        "eval",
-        help="accuracy under KV budgets: perplexity, retrieval, fidelity, summarisation",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    parser.set_defaults(func=main)
-    return parser
+    return study_parser(subparsers, "eval", "accuracy under KV budgets: perplexity, retrieval, fidelity, summarisation",
+                        __doc__, add_arguments, main)  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:
     """Load the model, run the evaluation, write the results and print where they are."""
-    missing = missing_extra("eval", "eval", ("matplotlib", "tqdm"))
-    if missing:
-        print(missing, file=sys.stderr)
+    if not extra_installed("eval", "eval", ("matplotlib", "tqdm")):
         return 2
     import torch
 

@@ -26,15 +26,20 @@ TILES = {"cuda": dict(block=128, num_warps=4, num_stages=3, per_sm=4), "cpu": di
 
 
 @triton.jit
+def _program(heads, split_size, slots):
+    """This program's row (sequence x KV head), its sequence and KV head, and its range of slots."""
+    bh = tl.program_id(0)
+    start = tl.program_id(1) * split_size
+    return bh, bh // heads, bh % heads, start, tl.minimum(start + split_size, slots)
+
+
+@triton.jit
 def _partial(Q, K, V, KS, VS, POS, LOGITS, M, L, ACC,
              sqb, sqh, skb, skh, sks, svb, svh, svs, ssb, ssh, spb, sph,
              heads, slots, split_size, scaling,
              G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, NSPLIT: tl.constexpr,
              BLOCK: tl.constexpr, HAS_POS: tl.constexpr, INT8: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
-    bh = tl.program_id(0)
-    split = tl.program_id(1)
-    b = bh // heads
-    h = bh % heads
+    bh, b, h, start, stop = _program(heads, split_size, slots)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D)
     dv = tl.arange(0, DV)
@@ -43,8 +48,6 @@ def _partial(Q, K, V, KS, VS, POS, LOGITS, M, L, ACC,
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     total = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, DV], tl.float32)
-    start = split * split_size
-    stop = tl.minimum(start + split_size, slots)
     for s0 in range(start, stop, BLOCK):
         s = s0 + tl.arange(0, BLOCK)
         inside = s < stop
@@ -75,7 +78,7 @@ def _partial(Q, K, V, KS, VS, POS, LOGITS, M, L, ACC,
             pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
         acc = acc * alpha[:, None] + pv
         m = m_new
-    row = (bh * NSPLIT + split) * G_PAD + g
+    row = (bh * NSPLIT + tl.program_id(1)) * G_PAD + g
     tl.store(M + row, m)
     tl.store(L + row, total)
     tl.store(ACC + row[:, None] * DV + dv[None, :], acc)
@@ -87,10 +90,7 @@ def _merge(M, L, ACC, LOGITS, OUT, SCORE, LAST,
            heads, slots, split_size,
            G: tl.constexpr, G_PAD: tl.constexpr, DV: tl.constexpr, NSPLIT: tl.constexpr, BLOCK: tl.constexpr,
            WANT_SCORES: tl.constexpr, WANT_LAST: tl.constexpr):  # fmt: skip
-    bh = tl.program_id(0)
-    split = tl.program_id(1)
-    b = bh // heads
-    h = bh % heads
+    bh, b, h, start, stop = _program(heads, split_size, slots)
     g = tl.arange(0, G_PAD)
     dv = tl.arange(0, DV)
     grows = g < G
@@ -102,7 +102,7 @@ def _merge(M, L, ACC, LOGITS, OUT, SCORE, LAST,
     for i in range(NSPLIT):
         row = (bh * NSPLIT + i) * G_PAD + g
         total += tl.load(L + row) * tl.exp(tl.load(M + row) - top)
-    if split == 0:
+    if start == 0:  # the first split also merges the output
         acc = tl.zeros([G_PAD, DV], tl.float32)
         for i in range(NSPLIT):
             row = (bh * NSPLIT + i) * G_PAD + g
@@ -112,8 +112,6 @@ def _merge(M, L, ACC, LOGITS, OUT, SCORE, LAST,
                  mask=grows[:, None])  # fmt: skip
     if WANT_SCORES or WANT_LAST:
         lse = tl.where(total > 0, top + tl.log(tl.maximum(total, 1e-30)), float("inf"))
-        start = split * split_size
-        stop = tl.minimum(start + split_size, slots)
         for s0 in range(start, stop, BLOCK):
             s = s0 + tl.arange(0, BLOCK)
             inside = s < stop

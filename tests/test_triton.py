@@ -134,16 +134,18 @@ def test_attend_takes_the_triton_route_with_the_same_results(monkeypatch, n, new
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["h2o", "tova"])
-@pytest.mark.parametrize("schedule", ["mixed", "token_by_token"])
-def test_layer_on_the_triton_kernels_matches_the_reference(monkeypatch, name, schedule):
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@pytest.mark.parametrize("mode", ["drop", "mask"])
+def test_layer_on_the_triton_kernels_matches_the_reference(monkeypatch, name, schedule, mode):
+    """Every policy, schedule and mode of tests/test_eviction.py with the Triton kernels doing the attention."""
     if not interpreted():
         pytest.skip("CPU tensors reach the Triton kernels only under the interpreter (test_cuda.py covers CUDA)")
     monkeypatch.setenv("H2O_KV_TRITON", "1")
     policy, capacity, params = POLICIES[name]
     q, k, v = random_qkv(dim=16)
     chunks = SCHEDULES[schedule]
-    out, layer = run_layer(policy, q, k, v, chunks)
+    out, layer = run_layer(policy, q, k, v, chunks, mode=mode)
     ref_out, ref_kept = reference_layer(q[0], k[0], v[0], chunks, name, capacity, params)
     torch.testing.assert_close(out[0].double(), ref_out, atol=1e-5, rtol=1e-5)
     assert kept_positions(layer) == ref_kept
@@ -191,3 +193,11 @@ def test_generate_compiles_the_decode_step_with_a_kvcache():
                            **kwargs)  # fmt: skip
     assert torch.equal(compiled, eager)
     assert cache.kept_tokens == 6
+
+
+def test_a_captured_step_needs_a_cuda_model():
+    from h2o_kv.runtime.graphs import CapturedStep
+
+    model = make_model("llama")
+    with pytest.raises(ValueError, match="CapturedStep needs a model on a CUDA device, got cpu"):
+        CapturedStep(model, h2o_kv.KVCache(h2o_kv.H2O(heavy=4, recent=4)))

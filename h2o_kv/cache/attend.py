@@ -14,10 +14,10 @@ from h2o_kv.backends import native, use_triton
 from h2o_kv.cache.quant import dequantize
 
 QUERY_BLOCK_ELEMENTS = 1 << 21  # a block's [heads x queries x slots] logits: 8 MiB in float32, cache-sized
-#: On a GPU a block is a handful of kernel launches whatever its size: 256 MiB of float32 logits per block (at 2^21,
-#: a 4096-token prompt at batch 4 took 293 blocks per layer on an H100, its prefill 57x StaticCache's)
+#: On a GPU a block is a handful of kernel launches whatever its size: 256 MiB of float32 logits per block, so a
+#: long prompt's prefill is a few large blocks per layer rather than hundreds of small ones
 DEVICE_QUERY_BLOCK_ELEMENTS = 1 << 26
-EMULATED = (torch.bfloat16, torch.float16)  # on a CPU without native support their products are 5-20x slower
+EMULATED = (torch.bfloat16, torch.float16)  # on a CPU without native support their products are many times slower
 
 
 def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:

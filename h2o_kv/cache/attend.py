@@ -261,18 +261,10 @@ def prompt_scores(q, keys, values, pos, qpos, *, scaling: float, new_from: int, 
     if want_scores:
         scores = triton_scores.key_scores(q, keys, pos, qpos, lse2, scaling=scaling, new_from=new_from,
                                           score_from=score_from, window=window)  # fmt: skip
-    if want_last:  # the last query's probabilities, averaged over the group
-        last = triton_scores.key_scores(
-            q[:, :, -1:],
-            keys[:, :, :width],
-            pos[..., :width],
-            qpos[:, -1:],
-            lse2[:, :, -1:],
-            scaling=scaling,
-            new_from=width - 1,
-            window=window,
-        )
-        last = torch.nn.functional.pad(last, (0, pos.shape[-1] - width)) / (q.shape[1] // keys.shape[1])
+    if want_last:  # the last query's probabilities, averaged over the group (0 past the new tokens, as above)
+        last = triton_scores.key_scores(q[:, :, -1:], keys, pos, qpos[:, -1:], lse2[:, :, -1:], scaling=scaling,
+                                        new_from=width - 1, window=window)  # fmt: skip
+        last = last / (q.shape[1] // keys.shape[1])
     return out.to(q.dtype), scores, last
 
 

@@ -39,7 +39,7 @@ RUNS = {  # shape: (context, batch, decode steps)
     "llama3-8b": (32768, 8, 32),
 }
 DRY = {"tiny": (160, 2, 4)}
-SKIP = {"llama3-8b": {"h2o-compiled", "generate-compiled", "check-captured"}}  # compiling 8B twice more: minutes
+SKIP = {"llama3-8b": {"h2o-compiled", "generate-compiled", "check-captured", "profile-step"}}  # compiling 8B twice more: minutes
 
 
 def decode_loop(step, token: torch.Tensor, start: int, steps: int, warm: int, device) -> tuple[float, list]:
@@ -206,6 +206,33 @@ def attention_ops(context: int, shape: str, device, dtype) -> dict:
     return res
 
 
+def profile_step(model, context: int, batch: int, device, steps: int = 4) -> dict:
+    """Where an eager H2O step's device time goes: the kernels of `steps` steps grouped by name, the top 25 by
+    total time (a graph replays the same kernels, less the launch gaps)."""
+    from h2o_kv.runtime.generation import forward
+
+    budget = int(BUDGET * context)
+    cache, _, token = h2o_cache(model, "h2o", budget, budget, batch, device)
+    position = torch.full_like(token, budget)
+    forward(model, cache, token.view(-1, 1), positions=position.view(-1, 1))
+    activities = [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else None
+    with torch.profiler.profile(activities=activities) as prof:
+        for i in range(steps):
+            forward(model, cache, token.view(-1, 1), positions=(position + 1 + i).view(-1, 1))
+        sync(device)
+    events = prof.key_averages()
+    kernel = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    ops = [e for e in events if e.device_type != torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0]
+
+    def top(rows, key):
+        rows = sorted(rows, key=lambda e: getattr(e, key), reverse=True)[:20]
+        return [dict(name=e.key[:90], calls_per_step=e.count / steps, us_per_step=getattr(e, key) / steps) for e in rows]
+
+    total = sum(e.device_time_total for e in kernel) / steps
+    return dict(kernels=top(kernel, "device_time_total"), ops=top(ops, "self_device_time_total"), device_us_per_step=total,
+                kernels_per_step=sum(e.count for e in kernel) / steps)  # fmt: skip
+
+
 def study(shape: str, context: int, batch: int, steps: int, device, dtype, log, only=None) -> None:
     """Run the cells of one shape (`only`: those named), logging a row per cell."""
     model = make_model(shape, device, dtype)
@@ -224,6 +251,7 @@ def study(shape: str, context: int, batch: int, steps: int, device, dtype, log, 
         ("h2o-compiled", lambda: run_h2o(model, "h2o", context, batch, steps, "compiled", device)),
         ("generate-compiled", lambda: generate_compiled(model, device)),
         ("prefill", lambda: run_prefill(model, context, device, repeats=2)),
+        ("profile-step", lambda: profile_step(model, context, batch, device)),
     ]  # fmt: skip
     done: dict[str, dict] = {}
     for name, cell in cells:
@@ -263,6 +291,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, Triton interpreted")
     parser.add_argument("--shapes", default=",".join(RUNS), help="which of " + ", ".join(RUNS))
+    parser.add_argument("--only", help="comma-separated cells to run (default: all but those skipped at a shape)")
     parser.add_argument("--report", action="store_true", help="only write DIR/tables.md from DIR/gpu.jsonl")
     args = parser.parse_args(argv)
     from h2o_kv.studies.bench.gpu_report import report
@@ -284,7 +313,7 @@ def main(argv=None) -> None:
     rows, log = logger(args.out, device)
     torch.set_grad_enabled(False)
     for shape, (context, batch, steps) in runs.items():
-        study(shape, context, batch, steps, device, dtype, log)
+        study(shape, context, batch, steps, device, dtype, log, only=set(args.only.split(",")) if args.only else None)
     (args.out / "tables.md").write_text(report(rows))
     print(report(rows))
 

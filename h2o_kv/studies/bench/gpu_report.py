@@ -51,6 +51,17 @@ def report(rows: list[dict]) -> str:
         check = mine.get("check-captured", {})
         if check:
             lines += ["", f"Captured step against eager steps: {check}"]
+        gen = mine.get("generate-compiled", {})
+        if "same_tokens" in gen:
+            lines += ["", f"`model.generate` with a KVCache, compiled against eager: {gen}"]
+        prof = mine.get("profile-step", {})
+        if "kernels" in prof:
+            lines += ["", f"An eager H2O step: {prof['kernels_per_step']:.0f} kernels, {prof['device_us_per_step'] / 1000:.2f} ms "
+                      "of device time. Its top operators (their own kernels) and kernels:", ""]  # fmt: skip
+            for part in ("ops", "kernels"):
+                lines += [f"| {part} | calls / step | us / step |", "| --- | --- | --- |"]
+                lines += [f"| `{k['name']}` | {k['calls_per_step']:.0f} | {k['us_per_step']:.0f} |" for k in prof[part]]
+                lines.append("")
         errors = [f"{name}: {r['error']}" for name, r in mine.items() if "error" in r]
         lines += ["", *(f"- error in {e}" for e in errors), ""]
     return "\n".join(lines)

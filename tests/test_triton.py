@@ -74,6 +74,46 @@ def test_decode_kernel_matches_literal_attention(device, storage, group, dim, ho
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("storage", ["float32", "int8"])
+@pytest.mark.parametrize("recent,ties", [(3, False), (3, True), (200, True)])
+def test_decode_evict_matches_the_torch_step(device, storage, recent, ties):
+    """`decode_evict` against literal attention and the torch eviction (`Steady._evict_one` on a packed layer):
+    the scores grown in place, each row's victim (the oldest of its lowest priorities; ties in score, and every slot
+    protected when `recent` exceeds the row) freed, its slot in the vacant buffer."""
+    from h2o_kv.backends.triton_decode import decode_evict
+
+    gen = torch.Generator().manual_seed(recent + ties)
+    batch, heads, group, slots, dim = 2, 3, 2, 45, 16
+    q = torch.randn(batch, heads * group, 1, dim, generator=gen) * 2
+    k, v = torch.randn(2, batch, heads, slots, dim, generator=gen)
+    pos = torch.stack([torch.randperm(60, generator=gen)[:slots] for _ in range(batch * heads)]).view(batch, heads, -1)
+    score = torch.rand(batch, heads, slots, generator=gen)
+    if ties:  # whole numbers: this step's probabilities (< 1 each) leave many rows with tied lowest scores
+        score = torch.randint(0, 3, (batch, heads, slots), generator=gen).float() * 4
+    next_pos = torch.tensor([61, 58]).view(batch, 1, 1)
+    scales, k_ref, v_ref = (None, None), k, v
+    if storage == "int8":
+        (k, ks), (v, vs) = quantize(k), quantize(v)
+        scales, k_ref, v_ref = (ks, vs), dequantize(k, ks, torch.float32), dequantize(v, vs, torch.float32)
+    ref_out, summed, _ = literal(q, k_ref, v_ref, torch.ones(batch, heads, 1, slots, dtype=torch.bool), dim**-0.5)
+    ref_score = score.double() + summed
+    priority = torch.where(pos >= next_pos - recent, float("inf"), ref_score)
+    oldest = torch.where(priority == priority.amin(-1, keepdim=True), pos, torch.iinfo(torch.int64).max)
+    victim = oldest.argmin(-1, keepdim=True)
+    ref_pos, ref_score = pos.scatter(2, victim, -1), ref_score.scatter(2, victim, 0.0)
+
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    pos_d, score_d, vacant = to(pos.clone()), to(score.clone()), to(torch.zeros(batch, heads, 1, dtype=torch.int64))
+    recent_t = torch.tensor(recent).view(1, 1, 1)
+    out = decode_evict(to(q), to(k), to(v), pos_d, score_d, vacant, to(next_pos), to(recent_t), scaling=dim**-0.5,
+                       key_scale=to(scales[0]), value_scale=to(scales[1]))  # fmt: skip
+    torch.testing.assert_close(out.cpu().double(), ref_out.transpose(1, 2), atol=1e-5, rtol=1e-5)
+    assert torch.equal(vacant.cpu(), victim)
+    assert torch.equal(pos_d.cpu(), ref_pos)
+    torch.testing.assert_close(score_d.cpu().double(), ref_score, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "old,n,score_from,window,group",
     [(0, 45, 0, None, 2), (20, 37, 5, None, 3), (0, 50, 0, 8, 4), (13, 33, 32, None, 1)],
@@ -152,9 +192,11 @@ def test_layer_on_the_triton_kernels_matches_the_reference(monkeypatch, name, sc
 
 
 @pytest.mark.parametrize("triton", ["0", "1"], ids=["torch", "triton"])
-def test_compiled_decode_step_equals_eager(monkeypatch, triton):
-    """torch.compile(fullgraph=True) over whole decode steps from right after the prompt (the storage grows once,
-    then every step is steady): the eager logits and kept tokens, step after step."""
+@pytest.mark.parametrize("eager_steps", [0, 2])
+def test_compiled_decode_step_equals_eager(monkeypatch, triton, eager_steps):
+    """torch.compile(fullgraph=True) over whole decode steps, from right after the prompt (the storage grows once,
+    then every step is steady) or after eager steps that leave the layers packed (on the Triton kernels the steady
+    step is then `triton_decode.decode_evict`): the eager logits and kept tokens, step after step."""
     monkeypatch.setenv("H2O_KV_TRITON", triton)
     model = make_model("llama")
     ids = random_ids(2, 12)
@@ -167,13 +209,16 @@ def test_compiled_decode_step_equals_eager(monkeypatch, triton):
     compiled = torch.compile(step, fullgraph=True)
     position = torch.full((2,), 12)
     with torch.inference_mode():
-        for _ in range(6):
-            eager, fast = step(caches[0], tokens[0], position), compiled(caches[1], tokens[1], position)
+        for i in range(6 + eager_steps):
+            fast = compiled if i >= eager_steps else step
+            eager, fast = step(caches[0], tokens[0], position), fast(caches[1], tokens[1], position)
             torch.testing.assert_close(fast, eager, atol=1e-5, rtol=1e-5)
             tokens = [eager.argmax(-1), fast.argmax(-1)]
             position = position + 1
     assert [kept_positions(layer) for layer in caches[1].layers] == [kept_positions(la) for la in caches[0].layers]
-    assert caches[1].seen_tokens == caches[0].seen_tokens == 18
+    assert caches[1].seen_tokens == caches[0].seen_tokens == 18 + eager_steps
+    if eager_steps:
+        assert all(layer.packed is layer.pos for layer in caches[1].layers)
 
 
 def test_generate_compiles_the_decode_step_with_a_kvcache():

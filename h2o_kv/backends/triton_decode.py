@@ -7,9 +7,15 @@ Keys and values are read once, in float, bfloat16 or int8 with per-slot scales (
 
 The slots are split across programs (flash decoding) so that a few sequences with long caches still fill
 the GPU: the first kernel computes each split's running max, sum and weighted values, and writes the
-scaled logits (one float per query head and slot, a small fraction of the bytes of the keys); the second
-merges the splits into the output and the row's log-sum-exp, and turns its split's logits into
-probabilities. Shapes depend only on the storage, so a steady decode step replays in a CUDA graph.
+scaled logits (one float per query head and slot, a small fraction of the bytes of the keys); the second, one
+short program per tile of slots, merges the splits into the output and the row's log-sum-exp, and turns its
+tile's logits into probabilities.
+
+`decode_evict` is a full layer's whole steady step for a policy that ranks by score with the newest tokens
+protected (H2O, SnapKV): the second kernel adds the probabilities to the scores in place and leaves each tile's
+eviction candidate, and a third picks each row's victim and frees its slot, so the step's eviction is two
+launches rather than a dozen small torch kernels. Shapes depend only on the storage, so a steady decode step
+replays in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -20,17 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
-# slots per tile, warps, pipeline stages, programs per multiprocessor: a GPU's (bench/gpu_tune.py sweeps them); the
-# interpreter's (smaller tiles: more of the code runs in the tests' small shapes)
-TILES = {"cuda": dict(block=128, num_warps=4, num_stages=3, per_sm=4), "cpu": dict(block=32, num_warps=4, num_stages=1)}
-
-
-@triton.jit
-def _program(heads, split_size, slots):
-    """This program's row (sequence x KV head), its sequence and KV head, and its range of slots."""
-    bh = tl.program_id(0)
-    start = tl.program_id(1) * split_size
-    return bh, bh // heads, bh % heads, start, tl.minimum(start + split_size, slots)
+# slots per tile, warps, pipeline stages, programs per multiprocessor, slots per merge program: a GPU's
+# (bench/gpu_tune.py sweeps the first four); the interpreter's (smaller tiles: more of the code runs in the tests'
+# small shapes)
+TILES = {"cuda": dict(block=128, num_warps=4, num_stages=3, per_sm=4, merge_block=256),
+         "cpu": dict(block=32, num_warps=4, num_stages=1, merge_block=16)}  # fmt: skip
 
 
 @triton.jit
@@ -39,7 +39,10 @@ def _partial(Q, K, V, KS, VS, POS, LOGITS, M, L, ACC,
              heads, slots, split_size, scaling,
              G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, NSPLIT: tl.constexpr,
              BLOCK: tl.constexpr, HAS_POS: tl.constexpr, INT8: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
-    bh, b, h, start, stop = _program(heads, split_size, slots)
+    bh = tl.program_id(0)
+    b, h = bh // heads, bh % heads
+    start = tl.program_id(1) * split_size
+    stop = tl.minimum(start + split_size, slots)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D)
     dv = tl.arange(0, DV)
@@ -85,12 +88,17 @@ def _partial(Q, K, V, KS, VS, POS, LOGITS, M, L, ACC,
 
 
 @triton.jit
-def _merge(M, L, ACC, LOGITS, OUT, SCORE, LAST,
-           sob, soh, scb, sch, slb, slh,
-           heads, slots, split_size,
+def _merge(M, L, ACC, LOGITS, OUT, SCORE, LAST, POS, NEXT, RECENT, CP, CPOS, CSLOT,
+           sob, soh, scb, sch, slb, slh, spb, sph,
+           heads, slots, tiles,
            G: tl.constexpr, G_PAD: tl.constexpr, DV: tl.constexpr, NSPLIT: tl.constexpr, BLOCK: tl.constexpr,
-           WANT_SCORES: tl.constexpr, WANT_LAST: tl.constexpr):  # fmt: skip
-    bh, b, h, start, stop = _program(heads, split_size, slots)
+           WANT_SCORES: tl.constexpr, WANT_LAST: tl.constexpr, EVICT: tl.constexpr):  # fmt: skip
+    """One program per row and tile of BLOCK slots (many short programs: the merge is latency-bound). Each finds
+    its row's log-sum-exp from the splits' partial sums; tile 0 also merges the output. With EVICT, the tile adds
+    its probabilities to the scores in place and leaves its eviction candidate (the oldest of its lowest
+    priorities: the score, +inf for the protected newest positions) for `_pick`."""
+    bh = tl.program_id(0)
+    b, h, tile = bh // heads, bh % heads, tl.program_id(1)
     g = tl.arange(0, G_PAD)
     dv = tl.arange(0, DV)
     grows = g < G
@@ -102,7 +110,7 @@ def _merge(M, L, ACC, LOGITS, OUT, SCORE, LAST,
     for i in range(NSPLIT):
         row = (bh * NSPLIT + i) * G_PAD + g
         total += tl.load(L + row) * tl.exp(tl.load(M + row) - top)
-    if start == 0:  # the first split also merges the output
+    if tile == 0:  # the first tile also merges the output
         acc = tl.zeros([G_PAD, DV], tl.float32)
         for i in range(NSPLIT):
             row = (bh * NSPLIT + i) * G_PAD + g
@@ -110,18 +118,51 @@ def _merge(M, L, ACC, LOGITS, OUT, SCORE, LAST,
         out = acc / tl.maximum(total, 1e-30)[:, None]
         tl.store(OUT + b * sob + (h * G + g)[:, None] * soh + dv[None, :], out.to(OUT.dtype.element_ty),
                  mask=grows[:, None])  # fmt: skip
-    if WANT_SCORES or WANT_LAST:
+    if WANT_SCORES or WANT_LAST or EVICT:
         lse = tl.where(total > 0, top + tl.log(tl.maximum(total, 1e-30)), float("inf"))
-        for s0 in range(start, stop, BLOCK):
-            s = s0 + tl.arange(0, BLOCK)
-            inside = s < stop
-            logit = tl.load(LOGITS + ((bh * G + g) * slots)[:, None] + s[None, :],
-                            mask=grows[:, None] & inside[None, :], other=float("-inf"))  # fmt: skip
-            col = tl.sum(tl.exp(logit - lse[:, None]), 0)
+        s = tile * BLOCK + tl.arange(0, BLOCK)
+        inside = s < slots
+        logit = tl.load(LOGITS + ((bh * G + g) * slots)[:, None] + s[None, :], mask=grows[:, None] & inside[None, :],
+                        other=float("-inf"))  # fmt: skip
+        col = tl.sum(tl.exp(logit - lse[:, None]), 0)
+        if EVICT:
+            score = tl.load(SCORE + b * scb + h * sch + s, mask=inside, other=0.0) + col
+            tl.store(SCORE + b * scb + h * sch + s, score, mask=inside)
+            never = 9223372036854775807  # int64 max: lanes past the row never win
+            p = tl.load(POS + b * spb + h * sph + s, mask=inside, other=never)
+            protected = p >= tl.load(NEXT + b) - tl.load(RECENT + b)
+            prio = tl.where(protected | ~inside, float("inf"), score)
+            low = tl.min(prio, 0)
+            oldest = tl.min(tl.where(prio == low, p, never), 0)
+            slot = tl.min(tl.where((prio == low) & (p == oldest), s.to(tl.int64), never), 0)
+            tl.store(CP + bh * tiles + tile, low)
+            tl.store(CPOS + bh * tiles + tile, oldest)
+            tl.store(CSLOT + bh * tiles + tile, slot)
+        else:
             if WANT_SCORES:
                 tl.store(SCORE + b * scb + h * sch + s, col, mask=inside)
             if WANT_LAST:
                 tl.store(LAST + b * slb + h * slh + s, col / G, mask=inside)
+
+
+@triton.jit
+def _pick(CP, CPOS, CSLOT, POS, SCORE, VACANT, spb, sph, scb, sch, svb, svh, heads, tiles, T_PAD: tl.constexpr):
+    """Each row's victim from its tiles' candidates (the oldest of the lowest priorities, as `Steady._evict_one`):
+    its slot emptied (position -1, score 0) and kept in VACANT, where the next step writes."""
+    bh = tl.program_id(0)
+    b, h = bh // heads, bh % heads
+    t = tl.arange(0, T_PAD)
+    inside = t < tiles
+    never = 9223372036854775807
+    prio = tl.load(CP + bh * tiles + t, mask=inside, other=float("inf"))
+    p = tl.load(CPOS + bh * tiles + t, mask=inside, other=never)
+    slots = tl.load(CSLOT + bh * tiles + t, mask=inside, other=never)
+    low = tl.min(prio, 0)
+    oldest = tl.min(tl.where(prio == low, p, never), 0)
+    slot = tl.min(tl.where((prio == low) & (p == oldest), slots, never), 0)
+    tl.store(POS + b * spb + h * sph + slot, -1)
+    tl.store(SCORE + b * scb + h * sch + slot, 0.0)
+    tl.store(VACANT + b * svb + h * svh, slot)
 
 
 def supported(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
@@ -168,6 +209,74 @@ def decode_attend(
     return out, scores if want_scores else None, last if want_last else None
 
 
+def decode_evict(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    pos: torch.Tensor,
+    score: torch.Tensor,
+    vacant: torch.Tensor,
+    next_pos: torch.Tensor,
+    recent: torch.Tensor,
+    *,
+    scaling: float,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A full layer's steady decode step after the new token's write, in three launches: the attention output
+    [B, 1, Hq, Dv], and in place the scores `score` [B, H, S] grown by this step's probabilities (summed over the KV
+    group), each row's victim freed (`pos` -1, score 0) and its slot in `vacant` [B, H, 1]. The victim is the
+    oldest of the row's lowest priorities, a priority being the score, or +inf for positions at or after
+    `next_pos` [B, 1, 1] minus `recent` [B, 1, 1] (`Policy.protected_recent`: H2O, SnapKV). Every slot must hold a
+    token (`Steady`'s packed layer)."""
+    return torch.ops.h2o_kv.triton_decode_evict(
+        q, keys, values, key_scale, value_scale, pos, score, vacant, next_pos, recent, float(scaling)
+    )
+
+
+def _tiles(device: torch.device) -> dict:
+    return TILES["cuda" if device.type == "cuda" else "cpu"]
+
+
+def _partials(q, keys, values, pos, key_scale, value_scale, scaling):
+    """The first kernel's launch: per split, the running max, sum and weighted values, and every scaled logit."""
+    batch, q_heads, _, dim = q.shape
+    heads, slots, dv = keys.shape[1], keys.shape[2], values.shape[-1]
+    group = q_heads // heads
+    g_pad = max(16, 1 << (group - 1).bit_length())
+    nsplit = splits(batch * heads, slots, q.device)
+    tiles = _tiles(q.device)
+    block = tiles["block"]
+    split_size = triton.cdiv(triton.cdiv(slots, nsplit), block) * block
+    q2 = q.reshape(batch, q_heads, dim)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    logits = torch.empty(batch * heads * group * slots, **f32)
+    m = torch.empty(batch * heads * nsplit * g_pad, **f32)
+    total = torch.empty_like(m)
+    acc = torch.empty(batch * heads * nsplit * g_pad * dv, **f32)
+    int8 = key_scale is not None
+    ks = key_scale.contiguous() if int8 else m
+    vs = value_scale.contiguous() if int8 else m
+    p = pos.contiguous() if pos is not None else m
+    sstr = (ks.stride(0), ks.stride(1)) if int8 else (0, 0)
+    pstr = (p.stride(0), p.stride(1)) if pos is not None else (0, 0)
+    _partial[(batch * heads, nsplit)](
+        q2, keys, values, ks, vs, p, logits, m, total, acc,
+        q2.stride(0), q2.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
+        values.stride(0), values.stride(1), values.stride(2), *sstr, *pstr,
+        heads, slots, split_size, scaling, G=group, G_PAD=g_pad, D=dim, DV=dv, NSPLIT=nsplit,
+        BLOCK=block, HAS_POS=pos is not None, INT8=int8, IEEE=q.dtype == torch.float32,
+        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
+    )  # fmt: skip
+    return (m, total, acc, logits), dict(G=group, G_PAD=g_pad, DV=dv, NSPLIT=nsplit)
+
+
+def _merge_grid(batch: int, heads: int, slots: int, device: torch.device) -> tuple[int, int, int]:
+    block = _tiles(device)["merge_block"]
+    tiles = triton.cdiv(slots, block)
+    return (batch * heads, tiles), block, tiles
+
+
 @torch.library.custom_op("h2o_kv::triton_decode", mutates_args=())
 def _decode_op(
     q: torch.Tensor,
@@ -180,39 +289,18 @@ def _decode_op(
     want_scores: bool,
     want_last: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    batch, q_heads, _, dim = q.shape
+    batch, q_heads = q.shape[:2]
     heads, slots, dv = keys.shape[1], keys.shape[2], values.shape[-1]
-    group = q_heads // heads
-    g_pad = max(16, 1 << (group - 1).bit_length())
-    nsplit = splits(batch * heads, slots, q.device)
-    tiles = TILES["cuda" if q.device.type == "cuda" else "cpu"]
-    block, launch = tiles["block"], dict(num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
-    split_size = triton.cdiv(triton.cdiv(slots, nsplit), block) * block
-    q2 = q.reshape(batch, q_heads, dim)
-    f32 = dict(dtype=torch.float32, device=q.device)
-    logits = torch.empty(batch * heads * group * slots, **f32)
-    m = torch.empty(batch * heads * nsplit * g_pad, **f32)
-    total = torch.empty_like(m)
-    acc = torch.empty(batch * heads * nsplit * g_pad * dv, **f32)
+    stats, meta = _partials(q, keys, values, pos, key_scale, value_scale, scaling)
     out = torch.empty(batch, q_heads, dv, dtype=q.dtype, device=q.device)
-    int8 = key_scale is not None
-    ks = key_scale.contiguous() if int8 else m
-    vs = value_scale.contiguous() if int8 else m
-    p = pos.contiguous() if pos is not None else m
-    sstr = (ks.stride(0), ks.stride(1)) if int8 else (0, 0)
-    pstr = (p.stride(0), p.stride(1)) if pos is not None else (0, 0)
-    grid = (batch * heads, nsplit)
-    ieee = q.dtype == torch.float32
-    _partial[grid](q2, keys, values, ks, vs, p, logits, m, total, acc,
-                   q2.stride(0), q2.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
-                   values.stride(0), values.stride(1), values.stride(2), *sstr, *pstr,
-                   heads, slots, split_size, scaling, G=group, G_PAD=g_pad, D=dim, DV=dv, NSPLIT=nsplit,
-                   BLOCK=block, HAS_POS=pos is not None, INT8=int8, IEEE=ieee, **launch)  # fmt: skip
+    f32 = dict(dtype=torch.float32, device=q.device)
     scores = torch.empty(batch, heads, slots if want_scores else 0, **f32)
     last = torch.empty(batch, heads, slots if want_last else 0, **f32)
-    _merge[grid](m, total, acc, logits, out, scores, last, out.stride(0), out.stride(1), scores.stride(0),
-                 scores.stride(1), last.stride(0), last.stride(1), heads, slots, split_size, G=group, G_PAD=g_pad,
-                 DV=dv, NSPLIT=nsplit, BLOCK=block, WANT_SCORES=want_scores, WANT_LAST=want_last,
+    grid, block, tiles = _merge_grid(batch, heads, slots, q.device)
+    none = stats[0]
+    _merge[grid](*stats, out, scores, last, none, none, none, none, none, none,
+                 out.stride(0), out.stride(1), scores.stride(0), scores.stride(1), last.stride(0), last.stride(1), 0, 0,
+                 heads, slots, tiles, **meta, BLOCK=block, WANT_SCORES=want_scores, WANT_LAST=want_last, EVICT=False,
                  num_warps=4)  # fmt: skip
     return out.view(batch, 1, q_heads, dv), scores, last
 
@@ -226,4 +314,41 @@ def _(q, keys, values, pos, key_scale, value_scale, scaling, want_scores, want_l
     return out, scores, q.new_empty(batch, heads, slots if want_last else 0, dtype=torch.float32)
 
 
-__all__ = ["decode_attend", "supported"]
+@torch.library.custom_op("h2o_kv::triton_decode_evict", mutates_args=("pos", "score", "vacant"))
+def _decode_evict_op(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_scale: torch.Tensor | None,
+    value_scale: torch.Tensor | None,
+    pos: torch.Tensor,
+    score: torch.Tensor,
+    vacant: torch.Tensor,
+    next_pos: torch.Tensor,
+    recent: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    batch, q_heads = q.shape[:2]
+    heads, slots, dv = keys.shape[1], keys.shape[2], values.shape[-1]
+    stats, meta = _partials(q, keys, values, None, key_scale, value_scale, scaling)
+    out = torch.empty(batch, q_heads, dv, dtype=q.dtype, device=q.device)
+    grid, block, tiles = _merge_grid(batch, heads, slots, q.device)
+    cand_prio = torch.empty(batch * heads * tiles, dtype=torch.float32, device=q.device)
+    cand_pos, cand_slot = torch.empty(2, batch * heads * tiles, dtype=torch.int64, device=q.device)
+    next_pos, recent = next_pos.reshape(batch).contiguous(), recent.expand(batch, 1, 1).reshape(batch).contiguous()
+    _merge[grid](*stats, out, score, score, pos, next_pos, recent, cand_prio, cand_pos, cand_slot,
+                 out.stride(0), out.stride(1), score.stride(0), score.stride(1), 0, 0, pos.stride(0), pos.stride(1),
+                 heads, slots, tiles, **meta, BLOCK=block, WANT_SCORES=False, WANT_LAST=False, EVICT=True,
+                 num_warps=4)  # fmt: skip
+    _pick[(batch * heads,)](cand_prio, cand_pos, cand_slot, pos, score, vacant, pos.stride(0), pos.stride(1),
+                            score.stride(0), score.stride(1), vacant.stride(0), vacant.stride(1), heads, tiles,
+                            T_PAD=max(16, triton.next_power_of_2(tiles)), num_warps=1)  # fmt: skip
+    return out.view(batch, 1, q_heads, dv)
+
+
+@_decode_evict_op.register_fake
+def _(q, keys, values, key_scale, value_scale, pos, score, vacant, next_pos, recent, scaling):
+    return q.new_empty(q.shape[0], 1, q.shape[1], values.shape[-1])
+
+
+__all__ = ["decode_attend", "decode_evict", "supported"]

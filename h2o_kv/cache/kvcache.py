@@ -96,9 +96,12 @@ class KVCache(Cache):
         return keys, values
 
     def _check_layers(self, layer_idx: int, n: int) -> None:
-        """Every call must reach the same layers: a cache filled by one model cannot serve another."""
+        """Every call must reach the same layers: a cache filled by one model cannot serve another. Not checked
+        inside a torch.compile trace: there the comparison of two layers' counts becomes a symbolic equality that
+        inductor's generated code mishandles (an unbound symbol at Llama-3-8B's 32 layers)."""
         layers = self.layers
-        if layer_idx == 0 and layers and layers[0].is_initialized and layers[-1].seen != layers[0].seen:
+        first = layer_idx == 0 and layers and layers[0].is_initialized and not torch.compiler.is_compiling()
+        if first and layers[-1].seen != layers[0].seen:
             raise ValueError(
                 f"the last call reached {sum(layer.seen == layers[0].seen for layer in layers)} of this KVCache's "
                 f"{len(layers)} layers: a cache belongs to one model and one batch; use a new KVCache"

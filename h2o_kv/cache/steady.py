@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from h2o_kv.backends import native
+from h2o_kv.backends import native, use_triton
 from h2o_kv.cache.attend import compute_dtype, native_rows
 from h2o_kv.cache.quant import quantize
 from h2o_kv.cache.settings import capturing
@@ -44,6 +44,9 @@ class Steady:
         if recent is not None:  # the same operations in one C++ pass per (sequence, KV head)
             return self._decode_fused(query, keys, values, qpos, slots, recent, scaling=scaling, softcap=softcap)
         self._write(slots, keys, values, qpos.view(batch, 1, 1).expand(batch, heads, 1), zeroed=True)
+        recent = self._ranked_in_triton(query, slots, softcap)
+        if recent is not None:  # attend, score and evict in three Triton launches
+            return self._decode_triton(query, recent, scaling=scaling)
         out, valid = self._attend_steady(query, qpos, scaling=scaling, softcap=softcap)
         self._evict_one(valid, self.slot_state(self.next_pos))
         return out
@@ -84,6 +87,33 @@ class Steady:
         if not self._kernels(device) or self.policy.decay != 1.0 or not self._step_storage(dtype, device):
             return None
         return self.policy.protected_recent(self.slot_state(self.next_pos))
+
+    def _ranked_in_triton(self, query: torch.Tensor, slots: torch.Tensor, softcap: float | None):
+        """The policy's `protected_recent` when the rest of this steady step (the new token written into `slots`)
+        runs as `triton_decode.decode_evict`: the Triton kernels on this device, every slot holding a token
+        (`packed`), the slots the step wrote being the layer's vacant buffer, and a policy ranking by the undecayed
+        score with the newest tokens kept and no `last` (H2O, SnapKV); None otherwise."""
+        if softcap is not None or self.packed is not self.pos or slots is not self.vacant_buffer:
+            return None
+        if self.last is not None or self.policy.decay != 1.0 or not use_triton(query.device):
+            return None
+        from h2o_kv.backends import triton_decode  # Triton is not a dependency of the core
+
+        if not triton_decode.supported(query, self.keys, self.values):
+            return None
+        return self.policy.protected_recent(self.slot_state(self.next_pos))
+
+    def _decode_triton(self, query: torch.Tensor, recent: torch.Tensor, *, scaling: float) -> torch.Tensor:
+        """Attend, add the scores and free each row's victim into the vacant buffer (`triton_decode.decode_evict`)."""
+        from h2o_kv.backends import triton_decode
+
+        q = query.to(compute_dtype(query.dtype, query.device))
+        out = triton_decode.decode_evict(q, self.keys, self.values, self.pos, self.score, self.vacant_buffer,
+                                         self.next_pos, recent, scaling=scaling, key_scale=self.key_scale,
+                                         value_scale=self.value_scale)  # fmt: skip
+        self.vacant = (self.vacant_buffer, self.pos)
+        self.kept_bound = min(self.kept_bound, self.max_capacity)
+        return out.to(query.dtype)
 
     def _step_storage(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether `native.decode_step` reads this layer's storage for queries of `dtype` (`kernel.native_rows`:

@@ -39,7 +39,9 @@ RUNS = {  # shape: (context, batch, decode steps)
     "llama3-8b": (32768, 8, 32),
 }
 DRY = {"tiny": (160, 2, 4)}
-SKIP = {"llama3-8b": {"h2o-compiled", "generate-compiled", "check-captured", "profile-step"}}  # compiling 8B twice more: minutes
+SKIP = {
+    "llama3-8b": {"h2o-compiled", "generate-compiled", "check-captured", "profile-step"}
+}  # compiling 8B twice more: minutes
 
 
 def decode_loop(step, token: torch.Tensor, start: int, steps: int, warm: int, device) -> tuple[float, list]:
@@ -226,11 +228,13 @@ def profile_step(model, context: int, batch: int, device, steps: int = 4) -> dic
 
     def top(rows, key):
         rows = sorted(rows, key=lambda e: getattr(e, key), reverse=True)[:20]
-        return [dict(name=e.key[:90], calls_per_step=e.count / steps, us_per_step=getattr(e, key) / steps) for e in rows]
+        return [
+            dict(name=e.key[:90], calls_per_step=e.count / steps, us_per_step=getattr(e, key) / steps) for e in rows
+        ]
 
     total = sum(e.device_time_total for e in kernel) / steps
-    return dict(kernels=top(kernel, "device_time_total"), ops=top(ops, "self_device_time_total"), device_us_per_step=total,
-                kernels_per_step=sum(e.count for e in kernel) / steps)  # fmt: skip
+    return dict(kernels=top(kernel, "device_time_total"), ops=top(ops, "self_device_time_total"),
+                device_us_per_step=total, kernels_per_step=sum(e.count for e in kernel) / steps)  # fmt: skip
 
 
 def study(shape: str, context: int, batch: int, steps: int, device, dtype, log, only=None) -> None:

@@ -118,7 +118,10 @@ def test_decode_evict_matches_the_torch_step(device, storage, recent, ties):
     "old,n,score_from,window,group",
     [(0, 45, 0, None, 2), (20, 37, 5, None, 3), (0, 50, 0, 8, 4), (13, 33, 32, None, 1)],
 )
-def test_prompt_scores_match_literal_attention(device, old, n, score_from, window, group):
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rows", "interleaved"])
+def test_prompt_scores_match_literal_attention(device, old, n, score_from, window, group, interleaved):
+    """`interleaved`: keys and positions given as per-head views of one row whose slots alternate heads (how a
+    head-pooled layer hands a prompt over, pooled.py), so no stride but the feature one is 1."""
     from h2o_kv.backends.triton_scores import key_scores, row_lse
 
     gen = torch.Generator().manual_seed(n)
@@ -131,6 +134,8 @@ def test_prompt_scores_match_literal_attention(device, old, n, score_from, windo
     if old:
         pos[0, 1, 3] = pos[1, 0, 7] = -1  # evicted old tokens: holes
     qpos = torch.arange(old, old + n).expand(batch, n).contiguous()
+    if interleaved:
+        k, pos = k.transpose(1, 2).contiguous().transpose(1, 2), pos.transpose(1, 2).contiguous().transpose(1, 2)
     lse = row_lse(q.to(device), k.to(device), pos.to(device), qpos.to(device), scaling=dim**-0.5, new_from=old,
                   window=window)  # fmt: skip
     scores = key_scores(q.to(device), k.to(device), pos.to(device), qpos.to(device), lse, scaling=dim**-0.5,

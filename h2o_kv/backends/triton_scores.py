@@ -117,9 +117,16 @@ def supported(q: torch.Tensor, keys: torch.Tensor) -> bool:
     return 16 <= dim <= 256 and dim & (dim - 1) == 0 and q.shape[1] % keys.shape[1] == 0
 
 
+def _unit_stride(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The kernels step through the last dimension one element at a time (any other strides are passed): a copy of
+    each tensor whose last stride is not 1 (a head-pooled layer's per-head views of its row, an expanded qpos)."""
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
+
+
 def row_lse(q, keys, pos, qpos, *, scaling: float, new_from: int, window: int | None = None) -> torch.Tensor:
     """Each query's log-sum-exp of its visible scaled logits, in base 2 [B, Hq, n] float32 (+inf for a query that
     sees nothing). q [B, Hq, n, D], keys [B, H, S, D] (in order: the n new tokens at slots new_from...)."""
+    q, keys, pos, qpos = _unit_stride(q, keys, pos, qpos)
     batch, q_heads, n, dim = q.shape
     lse = torch.empty(batch, q_heads, n, dtype=torch.float32, device=q.device)
     grid = (batch * q_heads, triton.cdiv(n, 32))
@@ -134,6 +141,7 @@ def key_scores(q, keys, pos, qpos, lse2, *, scaling: float, new_from: int, score
                window: int | None = None) -> torch.Tensor:  # fmt: skip
     """The attention each slot receives from the queries from `score_from` on, summed over them and over each
     KV group's query heads, [B, H, S] float32 (slots after the new tokens get 0). `lse2`: `row_lse`'s, base 2."""
+    q, keys, pos, qpos = _unit_stride(q, keys, pos, qpos)
     batch, q_heads, n, dim = q.shape
     heads, slots = keys.shape[1], keys.shape[2]
     width = new_from + n

@@ -209,7 +209,7 @@ def attention_ops(context: int, shape: str, device, dtype) -> dict:
 
 
 def profile_step(model, context: int, batch: int, device, steps: int = 4) -> dict:
-    """Where an eager H2O step's device time goes: the kernels of `steps` steps grouped by name, the top 25 by
+    """Where an eager H2O step's device time goes: the kernels of `steps` steps grouped by name, the top 20 by
     total time (a graph replays the same kernels, less the launch gaps)."""
     from h2o_kv.runtime.generation import forward
 

@@ -209,31 +209,6 @@ def decode_attend(
     return out, scores if want_scores else None, last if want_last else None
 
 
-def decode_evict(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    pos: torch.Tensor,
-    score: torch.Tensor,
-    vacant: torch.Tensor,
-    next_pos: torch.Tensor,
-    recent: torch.Tensor,
-    *,
-    scaling: float,
-    key_scale: torch.Tensor | None = None,
-    value_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """A full layer's steady decode step after the new token's write, in three launches: the attention output
-    [B, 1, Hq, Dv], and in place the scores `score` [B, H, S] grown by this step's probabilities (summed over the KV
-    group), each row's victim freed (`pos` -1, score 0) and its slot in `vacant` [B, H, 1]. The victim is the
-    oldest of the row's lowest priorities, a priority being the score, or +inf for positions at or after
-    `next_pos` [B, 1, 1] minus `recent` [B, 1, 1] (`Policy.protected_recent`: H2O, SnapKV). Every slot must hold a
-    token (`Steady`'s packed layer)."""
-    return torch.ops.h2o_kv.triton_decode_evict(
-        q, keys, values, key_scale, value_scale, pos, score, vacant, next_pos, recent, float(scaling)
-    )
-
-
 def _tiles(device: torch.device) -> dict:
     return TILES["cuda" if device.type == "cuda" else "cpu"]
 
@@ -315,19 +290,25 @@ def _(q, keys, values, pos, key_scale, value_scale, scaling, want_scores, want_l
 
 
 @torch.library.custom_op("h2o_kv::triton_decode_evict", mutates_args=("pos", "score", "vacant"))
-def _decode_evict_op(
+def decode_evict(
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    key_scale: torch.Tensor | None,
-    value_scale: torch.Tensor | None,
     pos: torch.Tensor,
     score: torch.Tensor,
     vacant: torch.Tensor,
     next_pos: torch.Tensor,
     recent: torch.Tensor,
     scaling: float,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """A full layer's steady decode step after the new token's write, in three launches: the attention output
+    [B, 1, Hq, Dv], and in place the scores `score` [B, H, S] grown by this step's probabilities (summed over the KV
+    group), each row's victim freed (`pos` -1, score 0) and its slot in `vacant` [B, H, 1]. The victim is the
+    oldest of the row's lowest priorities, a priority being the score, or +inf for positions at or after
+    `next_pos` [B, 1, 1] minus `recent` [B, 1, 1] (`Policy.protected_recent`: H2O, SnapKV). Every slot must hold a
+    token (`Steady`'s packed layer)."""
     batch, q_heads = q.shape[:2]
     heads, slots, dv = keys.shape[1], keys.shape[2], values.shape[-1]
     stats, meta = _partials(q, keys, values, None, key_scale, value_scale, scaling)
@@ -346,8 +327,8 @@ def _decode_evict_op(
     return out.view(batch, 1, q_heads, dv)
 
 
-@_decode_evict_op.register_fake
-def _(q, keys, values, key_scale, value_scale, pos, score, vacant, next_pos, recent, scaling):
+@decode_evict.register_fake
+def _(q, keys, values, pos, score, vacant, next_pos, recent, scaling, key_scale=None, value_scale=None):
     return q.new_empty(q.shape[0], 1, q.shape[1], values.shape[-1])
 
 

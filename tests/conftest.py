@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 # Triton reads this when it is first imported: without a GPU its kernels run interpreted on CPU tensors
-# (tests/test_triton.py). Only h2o-kv's Triton kernels are affected (torch.compile on a CPU emits C++).
+# (tests/backends/test_triton.py). Only h2o-kv's Triton kernels are affected (torch.compile on a CPU emits C++).
 if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -3,7 +3,7 @@
 # 1. the GPU study (h2o_kv/studies/bench/gpu.py): SmolLM2-135M's shapes at 4k x 4, then Llama-3-8B's at 32k x 8, random
 #    weights, bfloat16: StaticCache eager and compiled, DynamicCache, H2O / SnapKV / int8 eager and replayed from
 #    a CUDA graph, the same-memory batch, prefill with exact scores against SDPA;
-# 2. the Triton kernels against literal attention and the cache's CUDA paths (tests/test_triton.py, test_cuda.py).
+# 2. the Triton kernels against literal attention and the cache's CUDA paths (tests/backends/test_triton.py, test_cuda.py).
 # Variables: TESTS=0 skips 2; SHAPES picks shapes; CELLS_8B / CELLS_SMOL (comma-separated) pick the study's cells.
 # Needs, carried beside the tree (ignored): .whl/ (the transformers 5.23.0 wheel; the machine has an older one).
 # Writes to $OUT: machine.txt, pytest.txt, gpu.jsonl, tables.md, study.log (the device tool brings back 8 files).
@@ -24,5 +24,5 @@ done
 python3 -m h2o_kv.studies.bench.gpu --report --out "$OUT"
 if [ "${TESTS:-1}" = 1 ]; then  # -v: each failure's name is printed as it happens, even if the time limit cuts the run
   timeout ${TEST_TIMEOUT:-150} python3 -m pytest -v -p no:cacheprovider -rf -n 8 --tb=short --maxfail=8 \
-    tests/test_triton.py tests/test_cuda.py 2>&1 | tee "$OUT/pytest.txt" | grep -E "FAILED|ERROR|[0-9]+ (passed|failed)"
+    tests/backends/test_triton.py tests/backends/test_cuda.py 2>&1 | tee "$OUT/pytest.txt" | grep -E "FAILED|ERROR|[0-9]+ (passed|failed)"
 fi

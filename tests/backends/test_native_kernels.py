@@ -7,10 +7,11 @@ from unittest import mock
 
 import pytest
 import torch
-from test_kernel import slots
 
 import h2o_kv
 from h2o_kv.cache import attend as kernel
+
+from helpers import slots
 
 
 @pytest.mark.parametrize("softcap", [None, 5.0])

@@ -6,23 +6,12 @@ from unittest import mock
 
 import pytest
 import torch
-from test_eviction import POLICIES, kept_positions, random_qkv, run_layer
 
 import h2o_kv
 from h2o_kv.cache import attend as kernel
 
+from helpers import POLICIES, kept_positions, random_qkv, run_layer, slots
 from reference import reference_layer
-
-
-def slots(batch, kv_heads, new_from, n, extra, dim, dtype, seed=0):
-    """Storage with `new_from` old tokens, `n` new ones in order after them and `extra` empty slots."""
-    gen = torch.Generator().manual_seed(seed)
-    total = new_from + n + extra
-    keys = torch.randn(batch, kv_heads, total, dim, generator=gen).to(dtype)
-    values = torch.randn(batch, kv_heads, total, dim, generator=gen).to(dtype)
-    pos = torch.full((batch, kv_heads, total), -1)
-    pos[..., : new_from + n] = torch.arange(new_from + n)
-    return keys, values, pos
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

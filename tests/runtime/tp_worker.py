@@ -1,6 +1,6 @@
-"""Worker for tests/test_tensor_parallel.py: generate with an H2O cache, write what each process held.
+"""Worker for tests/runtime/test_tensor_parallel.py: generate with an H2O cache, write what each process held.
 
-Run as `torchrun --nproc-per-node 2 tests/tp_worker.py MODEL_DIR OUT_DIR [GENERATE FLAGS...]` (tensor
+Run as `torchrun --nproc-per-node 2 tests/runtime/tp_worker.py MODEL_DIR OUT_DIR [GENERATE FLAGS...]` (tensor
 parallel, one JSON per rank; with flags it then runs `h2o-kv generate` in the same processes, capturing
 what each process prints, which saves a second torchrun start), or imported by the test for the
 single-process reference (`run(MODEL_DIR)`).

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_eviction import POLICIES, SCHEDULES, kept_positions, random_qkv, run_layer
 
 import h2o_kv
 from h2o_kv.backends import interpreted, triton_importable
@@ -19,6 +18,7 @@ from h2o_kv.cache.quant import dequantize, quantize
 from h2o_kv.runtime.generation import forward, prefill
 
 from conftest import make_model, random_ids
+from helpers import POLICIES, SCHEDULES, kept_positions, random_qkv, run_layer
 from reference import reference_layer
 
 pytestmark = pytest.mark.skipif(not triton_importable(), reason="triton is not installed (the dev extra has it)")
@@ -183,7 +183,7 @@ def test_attend_takes_the_triton_route_with_the_same_results(monkeypatch, n, new
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 @pytest.mark.parametrize("mode", ["drop", "mask"])
 def test_layer_on_the_triton_kernels_matches_the_reference(monkeypatch, name, schedule, mode):
-    """Every policy, schedule and mode of tests/test_eviction.py with the Triton kernels doing the attention."""
+    """Every policy, schedule and mode of tests/cache/test_eviction.py with the Triton kernels doing the attention."""
     if not interpreted():
         pytest.skip("CPU tensors reach the Triton kernels only under the interpreter (test_cuda.py covers CUDA)")
     monkeypatch.setenv("H2O_KV_TRITON", "1")

@@ -8,35 +8,7 @@ import torch
 import h2o_kv
 
 from conftest import make_model, random_ids
-
-BIG = [
-    h2o_kv.Full(),
-    h2o_kv.H2O(heavy=32, recent=32),
-    h2o_kv.Local(window=64),
-    h2o_kv.StreamingLLM(sinks=4, window=60),
-    h2o_kv.TOVA(budget=64),
-    h2o_kv.AdaKV(h2o_kv.SnapKV(budget=64)),
-    h2o_kv.AdaKV(h2o_kv.TOVA(budget=64)),  # a head-pooled prompt that scores its last query (batch of 2)
-]
-SMALL = [
-    h2o_kv.H2O(heavy=4, recent=4),
-    h2o_kv.Local(window=8),
-    h2o_kv.StreamingLLM(sinks=2, window=6),
-    h2o_kv.TOVA(budget=8),
-    h2o_kv.AdaKV(h2o_kv.H2O(heavy=4, recent=4)),
-    h2o_kv.AdaKV(h2o_kv.SnapKV(budget=8, window=4, pool=3)),
-]
-
-
-def decode(model, ids, cache, prefill: int, attention_mask=None):
-    """Prefill `prefill` columns in one call, then feed the rest one by one; logits of every column."""
-    logits = []
-    with torch.no_grad():
-        for start, stop in [(0, prefill)] + [(t, t + 1) for t in range(prefill, ids.shape[1])]:
-            mask = None if attention_mask is None else attention_mask[:, :stop]
-            out = model(ids[:, start:stop], attention_mask=mask, past_key_values=cache, use_cache=True)
-            logits.append(out.logits)
-    return torch.cat(logits, dim=1)
+from helpers import BIG, SMALL, check_left_padded_batch, decode
 
 
 @pytest.mark.parametrize("policy", BIG, ids=lambda p: p.describe())
@@ -79,23 +51,6 @@ def test_one_chunk_prefill_is_unmasked_then_evicted(arch):
 @pytest.mark.parametrize("policy", [*SMALL, h2o_kv.Full()], ids=lambda p: p.describe())
 def test_left_padded_batch_equals_single_runs(arch, policy):
     check_left_padded_batch(make_model(arch), policy)
-
-
-def check_left_padded_batch(model, policy, atol: float = 5e-5) -> None:
-    """A batch of a long and a left-padded short prompt generates what each does alone (on the model's device)."""
-    device = model.device
-    long, short = random_ids(1, 24, seed=2).to(device), random_ids(1, 15, seed=3).to(device)
-    batch = torch.cat([long, torch.cat([torch.zeros(1, 9, dtype=torch.long, device=device), short], 1)])
-    mask = torch.ones_like(batch)
-    mask[1, :9] = 0
-    kw = dict(max_new_tokens=12, do_sample=False, output_scores=True, return_dict_in_generate=True)
-    with torch.no_grad():
-        both = model.generate(batch, attention_mask=mask, past_key_values=h2o_kv.KVCache(policy), **kw)
-        alone = [model.generate(x, past_key_values=h2o_kv.KVCache(policy), **kw) for x in (long, short)]
-    for row, single in enumerate(alone):
-        assert torch.equal(both.sequences[row, -12:], single.sequences[0, -12:])
-        for step_b, step_s in zip(both.scores, single.scores):
-            torch.testing.assert_close(step_b[row], step_s[0], atol=atol, rtol=1e-4)
 
 
 def test_kept_never_exceeds_capacity_and_memory_stays_flat():

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from serve_helpers import tiny_model
 
 import h2o_kv
 from h2o_kv.policies import budget_tokens
@@ -26,6 +25,7 @@ from h2o_kv.studies.eval.summarize import load_jsonl, run_summarize
 from h2o_kv.studies.eval.tables import COLUMNS
 
 from conftest import make_model, random_ids
+from serve_helpers import tiny_model
 
 WORDS = (
     "the king rode out at dawn with his men and the queen watched from the tower while the river ran "

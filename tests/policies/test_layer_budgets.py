@@ -8,7 +8,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_eviction import causal_mask, kept_positions, random_qkv
 
 import h2o_kv
 from h2o_kv.cache.layer import KVLayer, Settings
@@ -16,6 +15,7 @@ from h2o_kv.policies import H2O, TOVA, Local, Sinks, SnapKV, StreamingLLM, build
 from h2o_kv.policies.layers import LayerBudgets, scale_budget
 
 from conftest import make_model, random_ids
+from helpers import causal_mask, kept_positions, random_qkv
 from reference import reference_layer
 
 GEMMA_LIKE = SimpleNamespace(num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"])

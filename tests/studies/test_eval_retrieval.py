@@ -307,7 +307,7 @@ def test_side_by_side_sizes_build_the_kvpress_export_samples(tiny_tokenizer):
     from h2o_kv.studies.eval.retrieval import make_samples
     from h2o_kv.studies.eval.sizes import SIZES
 
-    path = Path(__file__).resolve().parents[1] / "compare" / "kvpress" / "export_samples.py"
+    path = Path(__file__).resolve().parents[2] / "compare" / "kvpress" / "export_samples.py"
     spec = importlib.util.spec_from_file_location("export_samples", path)
     export = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(export)

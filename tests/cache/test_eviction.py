@@ -7,64 +7,9 @@ import torch
 
 import h2o_kv
 from h2o_kv.cache.layer import KVLayer, Settings
-from h2o_kv.cache.pooled import PooledKVLayer
 
+from helpers import POLICIES, SCHEDULES, causal_mask, kept_positions, random_qkv, run_layer
 from reference import reference_layer
-
-POLICIES = {
-    "h2o": (h2o_kv.H2O(heavy=3, recent=2), 5, {"recent": 2}),
-    "local": (h2o_kv.Local(window=4), 4, {}),
-    "streaming": (h2o_kv.StreamingLLM(sinks=2, window=3), 5, {"sinks": 2}),
-    "tova": (h2o_kv.TOVA(budget=4), 4, {}),
-}
-SCHEDULES = {
-    "token_by_token": [1] * 16,
-    "one_call": [16],
-    "mixed": [7, 1, 1, 5, 1, 1],
-}
-
-
-def causal_mask(real: torch.Tensor) -> torch.Tensor:
-    """[B, 1, n, n] boolean mask as transformers builds it for the new tokens of one call."""
-    n = real.shape[1]
-    causal = torch.ones(n, n, dtype=torch.bool, device=real.device).tril()
-    return (causal[None] & real[:, None, :])[:, None]
-
-
-def run_layer(policy, q, k, v, chunks, *, real=None, mode="drop", prefill_chunk=None, window=None, native=False):
-    """Drive one cache layer the way a model's attention does: update, then attention (`native`: with
-    h2o-kv's C++ kernels, as a KVCache on a CPU where they can be built)."""
-    settings = Settings(policy, mode, prefill_chunk, compile_kernel=native)
-    layer = (PooledKVLayer if policy.head_pooled else KVLayer)(settings, 0)
-    batch, total = q.shape[0], q.shape[2]
-    real = torch.ones(batch, total, dtype=torch.bool, device=q.device) if real is None else real
-    outs, start = [], 0
-    for size in chunks:
-        stop = start + size
-        layer.update(k[:, :, start:stop], v[:, :, start:stop])
-        out = layer.forward_attention(
-            q[:, :, start:stop], causal_mask(real[:, start:stop]), scaling=q.shape[-1] ** -0.5, window=window
-        )
-        outs.append(out)
-        assert int(layer.kept().max()) <= max(layer.max_capacity or 10**9, 0)
-        start = stop
-    return torch.cat(outs, dim=1), layer
-
-
-def kept_positions(layer, row: int = 0) -> list[list[int]]:
-    pos = layer.pos[row]
-    if layer.head is not None:  # a head-pooled layer: one row, each slot tagged with its KV head
-        tags = layer.head[row, 0]
-        return [sorted(int(p) for p in pos[0][(tags == h) & (pos[0] >= 0)]) for h in range(layer.kv_heads)]
-    return [sorted(int(p) for p in head[head >= 0]) for head in pos]
-
-
-def random_qkv(batch=1, total=16, q_heads=4, kv_heads=2, dim=8, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, q_heads, total, dim, generator=gen) * 2
-    k = torch.randn(batch, kv_heads, total, dim, generator=gen) * 2
-    v = torch.randn(batch, kv_heads, total, dim, generator=gen)
-    return q, k, v
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))

@@ -10,11 +10,12 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 import httpx  # noqa: E402
-from serve_helpers import CONTEXT, MODEL, client, metric, running_server, wait_for  # noqa: E402
 
 from h2o_kv import policies  # noqa: E402
 from h2o_kv.cache.kvcache import KVCache  # noqa: E402
 from h2o_kv.runtime.generation import encode, greedy_ids  # noqa: E402
+
+from serve_helpers import CONTEXT, MODEL, client, metric, running_server, wait_for  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 

@@ -19,10 +19,11 @@ pytest.importorskip("fastapi")
 pytest.importorskip("openai")
 
 import httpx  # noqa: E402
-from serve_helpers import MODEL, client, running_server, wait_for  # noqa: E402
 
 from h2o_kv import policies  # noqa: E402
 from h2o_kv.runtime.serve.main import parse_bytes  # noqa: E402
+
+from serve_helpers import MODEL, client, running_server, wait_for  # noqa: E402
 
 LIMIT_S = 120  # every concurrent phase below must finish well within this
 

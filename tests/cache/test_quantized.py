@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_eviction import POLICIES as LAYER_POLICIES
-from test_eviction import kept_positions, random_qkv, run_layer
-from test_models_tiny import decode
 
 import h2o_kv
 from h2o_kv.cache.layer import KVLayer, Settings
@@ -14,10 +11,11 @@ from h2o_kv.cache.pooled import PooledKVLayer
 from h2o_kv.cache.quant import dequantize, quantize
 
 from conftest import make_model, random_ids
+from helpers import INT8_TOLERANCE, decode, kept_positions, random_qkv, run_layer
+from helpers import POLICIES as LAYER_POLICIES
 
 UNEVICTED = [h2o_kv.Full(), h2o_kv.H2O(heavy=32, recent=32)]  # 40 tokens fit: only quantization differs
 BY_POSITION = [h2o_kv.Local(window=12), h2o_kv.StreamingLLM(sinks=2, window=10)]  # evict the same tokens
-TOLERANCE = dict(atol=2e-2, rtol=2e-2)  # logits of the tiny models are O(1); int8 steps are 1/254 of a token's max
 
 
 def test_quantize_round_trip_error_is_half_a_step():
@@ -35,7 +33,7 @@ def test_int8_logits_close_to_float_storage(arch, policy):
     float_cache, int8_cache = h2o_kv.KVCache(policy), h2o_kv.KVCache(policy, kv_dtype="int8")
     expected = decode(model, ids, float_cache, prefill=20)
     got = decode(model, ids, int8_cache, prefill=20)
-    torch.testing.assert_close(got, expected, **TOLERANCE)
+    torch.testing.assert_close(got, expected, **INT8_TOLERANCE)
     assert (got - expected).abs().max() > 0  # the storage really is quantized
     assert int8_cache.kept_per_head().tolist() == float_cache.kept_per_head().tolist()
     for a, b in zip(int8_cache.layers, float_cache.layers):

@@ -11,7 +11,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_eviction import kept_positions
 
 import h2o_kv
 from h2o_kv import policies
@@ -19,6 +18,7 @@ from h2o_kv.cache.layer import KVLayer, Settings
 from h2o_kv.cache.pooled import PooledKVLayer
 
 from conftest import make_model
+from helpers import kept_positions
 from reference import reference_layer
 
 

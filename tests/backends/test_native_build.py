@@ -47,13 +47,16 @@ def test_the_kernels_compile_at_the_width_this_machine_does_not_build():
 
 
 @pytest.mark.skipif(native.missing() is not None, reason="the kernels cannot be built here")
-def test_a_build_killed_half_way_does_not_hang_the_next_process():
+def test_a_build_killed_half_way_does_not_hang_the_next_process(tmp_path):
     """torch's builder leaves its `lock` file when a build is killed (Ctrl-C, a timeout); the next process
-    would wait for it forever. `native.load` clears it under its own OS lock and loads."""
+    would wait for it forever. `native.load` clears it under its own OS lock and loads. Done on a copy of the
+    built folder, so no other test process loading the kernels meets the planted `lock` file."""
     native.load()  # built (or loaded) here first, so the process below only loads
-    folder = native.build_folder()
+    folder = tmp_path / native.build_folder().name
+    shutil.copytree(native.build_folder(), folder, ignore=shutil.ignore_patterns("lock", "h2o-kv.lock"))
     (folder / "lock").touch()  # what a killed build leaves
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
     done = subprocess.run([sys.executable, "-c", "from h2o_kv.backends import native; native.load(); print('loaded')"],
-                          capture_output=True, text=True, timeout=240)  # fmt: skip
+                          capture_output=True, text=True, timeout=240, env=env)  # fmt: skip
     assert done.returncode == 0 and done.stdout.strip() == "loaded", done.stderr[-2000:]
     assert not (folder / "lock").exists()

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_eviction import kept_positions, random_qkv, run_layer
 
 import h2o_kv
 from h2o_kv.policies import AdaKV, Sinks, SnapKV, build
 
 from conftest import make_model, random_ids
+from helpers import kept_positions, random_qkv, run_layer
 from reference import reference_layer
 
 POLICIES = {

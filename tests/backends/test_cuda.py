@@ -10,15 +10,23 @@ import os
 
 import pytest
 import torch
-from test_eviction import POLICIES as LAYER_POLICIES
-from test_eviction import SCHEDULES, kept_positions, random_qkv, run_layer
-from test_models_tiny import BIG, SMALL, check_left_padded_batch, decode
-from test_quantized import TOLERANCE as INT8_TOLERANCE
 
 import h2o_kv
 from h2o_kv.runtime.engine import Engine
 
 from conftest import make_model, make_tokenizer, random_ids
+from helpers import (
+    BIG,
+    INT8_TOLERANCE,
+    SCHEDULES,
+    SMALL,
+    check_left_padded_batch,
+    decode,
+    kept_positions,
+    random_qkv,
+    run_layer,
+)
+from helpers import POLICIES as LAYER_POLICIES
 from reference import reference_layer
 
 DEVICE = torch.device(os.environ.get("H2O_KV_TEST_DEVICE", "cuda"))

@@ -127,20 +127,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     policy = policy_from_args(args)
     if args.sample:
         shared_seed()  # under torchrun every process must draw the same tokens
-    result = generate(
-        model,
-        tokenizer,
-        prompt,
-        policy,
-        max_new_tokens=args.max_new_tokens,
-        chat=args.chat,
-        sample=args.sample,
-        temperature=args.temperature,
-        prefill_chunk=args.prefill_chunk,
-        mode=args.mode,
-        kv_dtype=args.kv_dtype,
-        stream=is_main(),
-    )
+    result = generate(model, tokenizer, prompt, policy, max_new_tokens=args.max_new_tokens, chat=args.chat,
+                      sample=args.sample, temperature=args.temperature, prefill_chunk=args.prefill_chunk,
+                      mode=args.mode, kv_dtype=args.kv_dtype, stream=is_main())  # fmt: skip
     if not is_main():  # under torchrun only rank 0 prints
         return 0
     share = " per process" if world_size() > 1 else ""  # tensor parallel: each process holds its KV heads

@@ -36,6 +36,7 @@ import os
 import shutil
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -76,8 +77,12 @@ def resolve(compile_kernel: bool | None) -> bool:
     return reason is None
 
 
+BUILD_SECONDS = "about 15 s on a quiet 2-core machine"  # measured: docs/usage.md
+
+
 def load() -> None:
-    """Build (once per machine) and load (once per process) the kernel; build errors are raised as they come."""
+    """Build (once per source version and machine) and load (once per process) the kernels; build errors are
+    raised as they come. A build, or a wait for another process's build, says so on stderr, with a heartbeat."""
     global _loaded
     if _loaded:
         return
@@ -85,53 +90,95 @@ def load() -> None:
         if not _loaded:
             from torch.utils.cpp_extension import load as build
 
-            sources = [str(path) for path in SOURCES]
-            options = flags() + [headers_flag(HEADERS)]  # a header's change rebuilds too
             folder = build_folder()
-            folder.mkdir(parents=True, exist_ok=True)
             with _build_lock(folder):
-                if not (folder / "h2o_kv_kernels.so").exists():  # a wait this long gets a word
-                    print("h2o-kv: building its C++ kernels, once for this machine (20-90 s)", file=sys.stderr)
-                build(name="h2o_kv_kernels", sources=sources, extra_cflags=options, is_python_module=False,
-                      build_directory=str(folder))  # fmt: skip
+                sources = _copy_sources(folder)
+                with _heartbeat(None if (folder / "h2o_kv_kernels.so").exists() else "building h2o-kv's C++ kernels "
+                                f"in {folder}, once for these sources ({BUILD_SECONDS})"):  # fmt: skip
+                    build(name="h2o_kv_kernels", sources=sources, extra_cflags=flags(), is_python_module=False,
+                          build_directory=str(folder))  # fmt: skip
             _loaded = True
 
 
 def build_folder() -> Path:
-    """Where the kernels are built: under `TORCH_EXTENSIONS_DIR` (torch's extension cache by default), one
-    folder per Python and torch version."""
+    """Where the kernels are built: under `TORCH_EXTENSIONS_DIR` (torch's extension cache by default), one folder
+    per Python and torch version and per digest of the sources, headers and flags, so two checkouts with the same
+    kernels share a build and never rebuild each other's."""
     from torch.utils.cpp_extension import get_default_build_root
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
     python = f"py{sys.version_info.major}{sys.version_info.minor}"
-    return Path(root) / f"h2o_kv_kernels-{python}-torch{torch.__version__}"
+    return Path(root) / f"h2o_kv_kernels-{python}-torch{torch.__version__}-{digest()}"
+
+
+def digest() -> str:
+    """The first 12 hex digits of the SHA-256 of the sources, the headers and the flags."""
+    parts = [path.read_bytes() for path in SOURCES + HEADERS] + [" ".join(flags()).encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:12]
+
+
+def _copy_sources(folder: Path) -> list[str]:
+    """The sources and headers copied into the build folder, and the sources' paths there: the build then names
+    the same files whichever checkout asks for it (torch rebuilds when a source's path changes)."""
+    (folder / "src").mkdir(exist_ok=True)
+    for path in SOURCES + HEADERS:
+        copy = folder / "src" / path.name
+        if not copy.exists() or copy.read_bytes() != path.read_bytes():
+            shutil.copyfile(path, copy)
+    return [str(folder / "src" / path.name) for path in SOURCES]
+
+
+@contextlib.contextmanager
+def _heartbeat(
+    message: str | None, doing: str = "building", done: str = "built", every: float = 15.0
+) -> Iterator[None]:
+    """`message` on stderr, then a line every `every` seconds until the block ends, and one at its end (None:
+    silence)."""
+    if message is None:
+        yield
+        return
+    print(f"h2o-kv: {message}", file=sys.stderr, flush=True)
+    done, start = threading.Event(), time.monotonic()
+
+    def beat() -> None:
+        while not done.wait(every):
+            print(f"h2o-kv: still {doing} ({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        print(f"h2o-kv: {done} in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
 def _build_lock(folder: Path) -> Iterator[None]:
-    """One h2o-kv build or load at a time per folder, by an OS file lock the system frees if its process dies.
+    """One h2o-kv build or load at a time per folder, by an OS file lock the system frees if its process dies;
+    a process that finds it held says it waits, with a heartbeat.
 
     torch's builder guards a folder with a `lock` file that only a finished build removes: a build killed
     half-way (Ctrl-C, a timeout) leaves it, and every later process waits for it forever, silently. While this
     lock is held no other h2o-kv process is in the folder, so a `lock` file found there is such a leftover and
     is removed. Without POSIX file locks (Windows) torch's own guard is all there is.
     """
+    folder.mkdir(parents=True, exist_ok=True)
     try:
         import fcntl
     except ImportError:
         yield
         return
     with open(folder / "h2o-kv.lock", "a") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)  # waits while another process builds; freed when it exits, however
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another process builds or loads: wait for it, and say so
+            with _heartbeat(f"waiting for another process building the C++ kernels in {folder}", "waiting",
+                            "the other process finished"):  # fmt: skip
+                fcntl.flock(held, fcntl.LOCK_EX)  # freed when that process exits, however it exits
         (folder / "lock").unlink(missing_ok=True)
         yield
-
-
-def headers_flag(headers: list[Path]) -> str:
-    """A define naming the headers' contents: torch's extension builder rebuilds when the sources or the flags
-    change, and does not read the headers the sources include."""
-    digest = hashlib.sha256(b"".join(path.read_bytes() for path in headers)).hexdigest()[:16]
-    return f"-DH2O_KV_HEADERS={digest}"
 
 
 def flags() -> list[str]:

@@ -202,22 +202,29 @@ def test_pooled_decode_step_equals_the_eager_steady_step(case):
         assert torch.equal(a, b)
 
 
-def test_a_header_change_changes_the_build_flags(tmp_path):
-    """torch's extension builder hashes the sources and flags, not the headers: native.load names the
-    headers' contents in a flag so that a header's change alone rebuilds the kernels."""
+def test_the_build_folder_is_named_by_the_sources_headers_and_flags(tmp_path, monkeypatch):
+    """A header's change alone, or another flag, gives another build folder (torch's builder does not read the
+    headers the sources include); the build compiles copies of the sources inside that folder, so two checkouts
+    with the same kernels share one build."""
+    native = h2o_kv.backends.native
     header = tmp_path / "kernels.h"
     header.write_text("int f();\n")
-    before = h2o_kv.backends.native.headers_flag([header])
-    assert before == h2o_kv.backends.native.headers_flag([header])
+    monkeypatch.setattr(native, "HEADERS", [header])
+    before = native.build_folder()
+    assert native.build_folder() == before
     header.write_text("int f(int);\n")
-    assert h2o_kv.backends.native.headers_flag([header]) != before
-    assert all(path.exists() for path in h2o_kv.backends.native.HEADERS)
-    with (
-        mock.patch.object(h2o_kv.backends.native, "_loaded", False),
-        mock.patch("torch.utils.cpp_extension.load") as build,
-    ):
-        h2o_kv.backends.native.load()
-    assert h2o_kv.backends.native.headers_flag(h2o_kv.backends.native.HEADERS) in build.call_args.kwargs["extra_cflags"]
+    changed = native.build_folder()
+    assert changed != before
+    monkeypatch.setattr(native, "flags", lambda: ["-O2"])
+    assert native.build_folder() not in (before, changed)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setattr(native, "_loaded", False)
+    with mock.patch("torch.utils.cpp_extension.load") as build:
+        native.load()
+    folder = native.build_folder()
+    assert build.call_args.kwargs["build_directory"] == str(folder)
+    assert build.call_args.kwargs["sources"] == [str(folder / "src" / path.name) for path in native.SOURCES]
+    assert (folder / "src" / "kernels.h").read_text() == "int f(int);\n"
 
 
 @pytest.mark.parametrize(

@@ -130,18 +130,9 @@ def main(args: argparse.Namespace) -> int:
               memory_cap_gb=args.memory_cap_gb, **sizes)  # fmt: skip
     started = time.perf_counter()
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
-    rows = run_bench(
-        model,
-        tokenizer,
-        policies=args.policies,
-        budget=args.budget,
-        threads=args.threads,
-        memory_cap_gb=args.memory_cap_gb,
-        prefill_chunk=args.prefill_chunk,
-        progress=not args.no_progress,
-        interleave=args.interleave,
-        **sizes,
-    )
+    rows = run_bench(model, tokenizer, policies=args.policies, budget=args.budget, threads=args.threads,
+                     memory_cap_gb=args.memory_cap_gb, prefill_chunk=args.prefill_chunk,
+                     progress=not args.no_progress, interleave=args.interleave, **sizes)  # fmt: skip
     paths = write_results(rows, out)
     if args.profile:
         token_ids = tokenizer(load_text(), add_special_tokens=False)["input_ids"]

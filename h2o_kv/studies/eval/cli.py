@@ -93,23 +93,10 @@ def main(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, device=args.device)
-    rows = run_eval(
-        model,
-        tokenizer,
-        tasks=_list(args.tasks),
-        policies=_list(args.policies),
-        budgets=args.budgets,
-        size=size,
-        mode=args.mode,
-        corpus=args.corpus,
-        data=args.data,
-        seed=args.seed,
-        out_dir=args.out,
-        progress=not args.no_progress,
-        chunk=args.chunk,
-        command=command_line(),
-        resume=args.resume,
-    )
+    rows = run_eval(model, tokenizer, tasks=_list(args.tasks), policies=_list(args.policies), budgets=args.budgets,
+                    size=size, mode=args.mode, corpus=args.corpus, data=args.data, seed=args.seed, out_dir=args.out,
+                    progress=not args.no_progress, chunk=args.chunk, command=command_line(),
+                    resume=args.resume)  # fmt: skip
     print(f"{len(rows)} rows; tables and plots in {args.out}/ (summary: {args.out}/summary.md)")
     return 0
 

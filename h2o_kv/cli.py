@@ -8,10 +8,7 @@ import textwrap
 import time
 from collections.abc import Sequence
 
-from h2o_kv import policies
-from h2o_kv.runtime.allocator import retain_freed_memory
-from h2o_kv.runtime.engine import Engine
-from h2o_kv.runtime.generation import Sampling, encode
+from h2o_kv import policies  # names and budgets only: torch and the model code import once a command runs
 
 DEFAULT_POLICY = policies.DEFAULT
 DEMO_QUESTION = "Who speaks in this passage, and what are they arguing about? Answer in two sentences."
@@ -78,6 +75,9 @@ def generate(
 ) -> dict:
     """One generation under `policy` through the engine; returns the text, what the cache held, and
     prefill/decode speed. Ctrl-C stops it cleanly: what was generated so far is kept."""
+    from h2o_kv.runtime.engine import Engine
+    from h2o_kv.runtime.generation import Sampling, encode
+
     ids = encode(tokenizer, prompt, chat=chat)
     engine = Engine(model, tokenizer, max_batch=1, prefill_chunk=prefill_chunk, mode=mode, kv_dtype=kv_dtype)
     sampling = Sampling(temperature=temperature, top_p=0.95) if sample else Sampling()
@@ -155,6 +155,7 @@ def demo_prompt(words: int = 700) -> str:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from h2o_kv.runtime.generation import encode
     from h2o_kv.runtime.models import load_model
 
     model, tokenizer = load_model(args.model, device=args.device)
@@ -305,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # The studies' flags need only the core; running one without its extra prints one line naming it.
     from h2o_kv.runtime.serve.main import add_parser as add_serve_parser
-    from h2o_kv.studies.bench import add_parser as add_bench_parser
+    from h2o_kv.studies.bench.cli import add_parser as add_bench_parser
     from h2o_kv.studies.eval.cli import add_parser as add_eval_parser
 
     add_eval_parser(sub)
@@ -318,6 +319,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Exit codes: 0 done, 2 bad input (one line on stderr, nothing loaded), 130 interrupted (Ctrl-C)."""
     try:
         args = build_parser().parse_args(argv)
+        from h2o_kv.runtime.allocator import retain_freed_memory
+
         retain_freed_memory()  # prompts reuse freed pages instead of faulting in new ones (allocator.py)
         return args.func(args)
     except (ValueError, FileNotFoundError, TypeError) as err:

@@ -198,3 +198,20 @@ def test_bad_run_flags_exit_2_with_one_line_before_loading(argv, message, no_loa
     lines = captured.err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and message in lines[0], captured.err
     assert "Traceback" not in captured.err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--help"], ["bench", "--help"], ["eval", "--help"], ["serve", "--help"], ["generate", "--help"],
+     ["generate", "hi", "--budget", "2.5"], ["bench", "--size", "huge"], ["serve", "--kv-dtype", "int4"],
+     ["eval", "--tasks", "nope"], ["serve", "--port", "70000"]],
+    ids=lambda argv: " ".join(argv),
+)  # fmt: skip
+def test_help_and_argument_errors_answer_without_importing_torch(argv):
+    """`--help` and a bad flag are answered before anything imports torch (torch and transformers take seconds to
+    import; the timings are in docs/usage.md): exit 0 for help, 2 with one line for an error."""
+    probe = ("import sys\nfrom h2o_kv import cli\ntry:\n    code = cli.main(sys.argv[1:])\n"
+             "except SystemExit as done:\n    code = done.code\n"
+             "assert 'torch' not in sys.modules, 'torch was imported'\nsys.exit(code)\n")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == (0 if argv[-1] == "--help" else 2), done.stderr[-2000:]

@@ -1,7 +1,3 @@
 """The cache, in pure torch: `KVCache` (the transformers `Cache` users pass), its layers' slots, the steady decode
 step, the attention function that joins `cache.update` to the layer, and int8 storage. It asks `h2o_kv.backends`
-for the kernels a device runs."""
-
-from h2o_kv.cache.kvcache import KVCache
-
-__all__ = ["KVCache"]
+for the kernels a device runs. Nothing is imported here: `h2o_kv.cache.formats` stays light for flag parsing."""

@@ -13,9 +13,9 @@ from transformers.cache_utils import Cache
 
 from h2o_kv.backends import native
 from h2o_kv.cache.attention import hand_off, take_forward_mark
+from h2o_kv.cache.formats import check_kv_dtype
 from h2o_kv.cache.layer import KVLayer, Mode, Settings
 from h2o_kv.cache.pooled import PooledKVLayer
-from h2o_kv.cache.quant import check_kv_dtype
 from h2o_kv.cache.settings import capturing
 from h2o_kv.policies import MAX_TOKENS, Policy
 

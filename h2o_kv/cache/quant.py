@@ -19,14 +19,7 @@ from __future__ import annotations
 
 import torch
 
-KV_DTYPES = ("int8",)  # storage formats besides the model's own dtype (kv_dtype=None)
 INT8_MAX = 127
-
-
-def check_kv_dtype(kv_dtype: object) -> None:
-    """None (the model's dtype) or one of KV_DTYPES; anything else is refused with one line."""
-    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
-        raise ValueError(f"kv_dtype must be None (the model's dtype) or one of {list(KV_DTYPES)}, got {kv_dtype!r}")
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ from typing import ClassVar, TypeVar
 
 import torch
 
-MAX_TOKENS = 1 << 40  # a token count beyond this cannot mean anything real (and would overflow int64 sums)
+from h2o_kv.policies.budget import MAX_TOKENS
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ import torch
 from h2o_kv import policies
 from h2o_kv.backends import native
 from h2o_kv.cache.attention import enable
+from h2o_kv.cache.formats import check_kv_dtype
 from h2o_kv.cache.kvcache import KVCache
-from h2o_kv.cache.quant import check_kv_dtype
 from h2o_kv.policies import Policy
 from h2o_kv.runtime.admission import SlotCount
 from h2o_kv.runtime.generation import Sampling, decode_step, forward, sample

@@ -25,7 +25,7 @@ import httpx
 import numpy as np
 
 from h2o_kv import policies
-from h2o_kv.cache.quant import KV_DTYPES
+from h2o_kv.cache.formats import KV_DTYPES
 from h2o_kv.runtime.serve.launch import launch_server, served_model
 from h2o_kv.studies.report import command_line, environment
 

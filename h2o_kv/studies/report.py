@@ -17,11 +17,6 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from h2o_kv.cache.attend import native_products
-from h2o_kv.runtime.allocator import malloc_state
-
 Row = dict[str, Any]
 
 
@@ -50,7 +45,11 @@ def write_csv(path: Path, columns: Sequence[str], rows: Iterable[Row]) -> Path:
 
 def environment() -> Row:
     """Where the numbers come from: timings only compare on the same machine, versions and threads."""
+    import torch
     import transformers
+
+    from h2o_kv.cache.attend import native_products
+    from h2o_kv.runtime.allocator import malloc_state
 
     return dict(
         python=platform.python_version(),

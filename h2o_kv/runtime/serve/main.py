@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 from h2o_kv import policies
-from h2o_kv.cache.quant import KV_DTYPES
+from h2o_kv.cache.formats import KV_DTYPES
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -58,11 +58,11 @@ def engine_settings(args: argparse.Namespace) -> dict:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    settings = engine_settings(args)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if not 0 <= args.drain_timeout < float("inf"):  # also refuses nan
         raise ValueError(f"--drain-timeout must be a number of seconds >= 0, got {args.drain_timeout}")
+    settings = engine_settings(args)
     try:
         from h2o_kv.runtime.serve.app import create_app
         from h2o_kv.runtime.serve.server import Server

@@ -13,20 +13,29 @@ roofline, same memory), bars, output and plots, profile, cli. Importing this pac
 the core's dependencies; running it needs the `bench` extra (matplotlib, tqdm).
 """
 
-from h2o_kv.studies.bench.bars import check_bars, format_bars, summary_table
-from h2o_kv.studies.bench.cli import add_arguments, add_parser, main
-from h2o_kv.studies.bench.config import BASELINES, DYNAMIC, POLICIES, SIZES, STATIC, new_cache, policy_for
-from h2o_kv.studies.bench.memory import PeakMemory, kept_and_seen, kv_bytes
-from h2o_kv.studies.bench.output import SAME_MEMORY_COLUMNS, STEP_COLUMNS, SWEEP_COLUMNS, write_results
-from h2o_kv.studies.bench.sweep import add_ratios, add_roofline, load_text, prompt_ids, run_bench
-from h2o_kv.studies.bench.timing import bench_config, bench_together, decode_in_turn, decode_steps, prefill
+import importlib
 
+from h2o_kv.studies.bench.config import DYNAMIC  # light: names and presets (torch imports where a cache is made)
+
+#: each exported name and the module of this package it lives in, imported on first use (the CLI's flag parsing
+#: needs only `cli` and `config`, which import torch when they run)
+_EXPORTS = {
+    **dict.fromkeys(("check_bars", "format_bars", "summary_table"), "bars"),
+    **dict.fromkeys(("add_arguments", "add_parser", "main"), "cli"),
+    **dict.fromkeys(("BASELINES", "DYNAMIC", "POLICIES", "SIZES", "STATIC", "new_cache", "policy_for"), "config"),
+    **dict.fromkeys(("PeakMemory", "kept_and_seen", "kv_bytes"), "memory"),
+    **dict.fromkeys(("SAME_MEMORY_COLUMNS", "STEP_COLUMNS", "SWEEP_COLUMNS", "write_results"), "output"),
+    **dict.fromkeys(("add_ratios", "add_roofline", "load_text", "prompt_ids", "run_bench"), "sweep"),
+    **dict.fromkeys(("bench_config", "bench_together", "decode_in_turn", "decode_steps", "prefill"), "timing"),
+}
 BASELINE = DYNAMIC  # the stock baseline's name, "full-sdpa"
 
-__all__ = [
-    "BASELINE", "BASELINES", "DYNAMIC", "POLICIES", "SIZES", "STATIC", "SAME_MEMORY_COLUMNS", "STEP_COLUMNS",
-    "SWEEP_COLUMNS", "PeakMemory", "add_arguments", "add_parser", "add_ratios", "add_roofline", "bench_config",
-    "bench_together", "check_bars", "decode_in_turn", "decode_steps", "format_bars", "kept_and_seen", "kv_bytes",
-    "load_text", "main", "new_cache", "policy_for", "prefill", "prompt_ids", "run_bench", "summary_table",
-    "write_results",
-]  # fmt: skip
+__all__ = ["BASELINE", *_EXPORTS]
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'h2o_kv.studies.bench' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"h2o_kv.studies.bench.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value

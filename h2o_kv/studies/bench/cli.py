@@ -9,12 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from h2o_kv.policies import parse_budget
-from h2o_kv.studies.bench.config import EXTRA_POLICIES, POLICIES, SIZES, check_run
-from h2o_kv.studies.bench.soak import add_soak_arguments
-from h2o_kv.studies.bench.soak import main as soak_main
+from h2o_kv.studies.bench.config import EXTRA_POLICIES, POLICIES, SIZES
 from h2o_kv.studies.report import extra_installed, study_parser
 
 DESCRIPTION = (
@@ -104,6 +100,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_soak_arguments(parser)
 
 
+def add_soak_arguments(parser: argparse.ArgumentParser) -> None:
+    """The soak flags; the soak also reads --model, --budget, --device, --dtype, --threads (first),
+    --batch-sizes (first), --prompt-lens (first, default 512), --policies (first h2o-kv policy) and --out."""
+    group = parser.add_argument_group("soak (instead of the sweep)")
+    add = group.add_argument
+    add("--soak", type=int, metavar="STEPS", default=None, help="decode STEPS tokens on one cache, check flat memory")
+    add("--soak-every", type=int, metavar="K", default=100, help="sample memory every K steps (default 100)")
+    add("--soak-warmup", type=int, metavar="STEPS", default=None, help="steps before RSS growth counts (default 10%%)")
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register the `bench` subcommand on an argparse subparsers object (runs `main` as args.func)."""
     return study_parser(subparsers, "bench", "throughput and memory benchmark", DESCRIPTION, add_arguments, main,
@@ -114,6 +120,11 @@ def main(args: argparse.Namespace) -> int:
     """Run the benchmark from parsed flags, write the results, print the table and the bars."""
     if not extra_installed("bench", "bench", ("matplotlib", "tqdm")):
         return 2
+    import torch
+
+    from h2o_kv.studies.bench.config import check_run
+    from h2o_kv.studies.bench.soak import main as soak_main
+
     if args.soak is not None:
         return soak_main(args)
     out = args.out or "results/bench"

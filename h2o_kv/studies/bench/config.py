@@ -12,16 +12,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from transformers import DynamicCache, StaticCache
+from h2o_kv import policies
+from h2o_kv.policies import Budget, budget_tokens, check_budget_value
 
-from h2o_kv.cache.attention import enable
-from h2o_kv.cache.kvcache import KVCache
-from h2o_kv.policies import Budget, Policy, budget_tokens, build, check_budget_value
+if TYPE_CHECKING:  # torch, transformers and the cache import where a cache is made (the CLI parses flags first)
+    import torch
+    from transformers import DynamicCache, StaticCache
 
-Cache = DynamicCache | StaticCache | KVCache
+    from h2o_kv.cache.kvcache import KVCache
+    from h2o_kv.policies import Policy
+
+    Cache = DynamicCache | StaticCache | KVCache
+else:
+    Cache = Any  # a stock cache or h2o-kv's: the union above, for type checkers
 Row = dict[str, Any]
 
 DYNAMIC = "full-sdpa"  # the stock model: SDPA attention, transformers' DynamicCache
@@ -49,10 +54,10 @@ def policy_for(name: str, budget: Budget, prompt_len: int) -> Policy | None:
         return None
     name = name.removesuffix(INT8)
     if name == "full-kv":
-        return build("full")
+        return policies.build("full")
     if name == "full":
         raise ValueError(f"say {DYNAMIC!r} or {STATIC!r} (stock model) or 'full-kv' (h2o-kv's path, no eviction)")
-    return build(name, budget_tokens(budget, prompt_len))
+    return policies.build(name, budget_tokens(budget, prompt_len))
 
 
 def describe(name: str, policy: Policy | None) -> str:
@@ -71,6 +76,10 @@ def new_cache(
 
     `max_len` (prompt + generated tokens) sizes the StaticCache; the other caches ignore it.
     """
+    from transformers import DynamicCache, StaticCache
+
+    from h2o_kv.cache.kvcache import KVCache
+
     use_path(model, name)
     if name == STATIC:
         return StaticCache(config=model.config, max_cache_len=max_len)
@@ -81,6 +90,8 @@ def new_cache(
 
 def use_path(model: torch.nn.Module, name: str) -> None:
     """Switch the model to the attention path `name`'s cache needs: SDPA for a stock cache, h2o-kv's otherwise."""
+    from h2o_kv.cache.attention import enable
+
     if name in BASELINES:
         model.set_attn_implementation("sdpa")
     else:

@@ -36,16 +36,6 @@ SAMPLE_COLUMNS = ["step", "seen_tokens", "kept_tokens", "nbytes", "rss_bytes", "
 FILES = dict(json="soak.json", csv="soak.csv", plot="soak.png")
 
 
-def add_soak_arguments(parser: argparse.ArgumentParser) -> None:
-    """The soak flags; the soak also reads --model, --budget, --device, --dtype, --threads (first),
-    --batch-sizes (first), --prompt-lens (first, default 512), --policies (first h2o-kv policy) and --out."""
-    group = parser.add_argument_group("soak (instead of the sweep)")
-    add = group.add_argument
-    add("--soak", type=int, metavar="STEPS", default=None, help="decode STEPS tokens on one cache, check flat memory")
-    add("--soak-every", type=int, metavar="K", default=100, help="sample memory every K steps (default 100)")
-    add("--soak-warmup", type=int, metavar="STEPS", default=None, help="steps before RSS growth counts (default 10%%)")
-
-
 def soak(
     model: torch.nn.Module,
     input_ids: torch.Tensor,

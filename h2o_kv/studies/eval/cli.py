@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from h2o_kv.studies.eval import parse_budgets
-from h2o_kv.studies.eval.sizes import DEFAULT_BUDGETS, DEFAULT_POLICIES, DEFAULT_TASKS, SIZES, TASKS
+from h2o_kv.studies.eval.sizes import DEFAULT_BUDGETS, DEFAULT_POLICIES, DEFAULT_TASKS, SIZES, TASKS, check_eval
 from h2o_kv.studies.report import command_line, extra_installed, study_parser
 
 
@@ -83,12 +83,12 @@ def main(args: argparse.Namespace) -> int:
     """Load the model, run the evaluation, write the results and print where they are."""
     if not extra_installed("eval", "eval", ("matplotlib", "tqdm")):
         return 2
+    check_eval(_list(args.tasks), _list(args.policies), args.data)  # bad names: one line, before torch loads
     import torch
 
     from h2o_kv.runtime.models import load_model
-    from h2o_kv.studies.eval.run import check_eval, run_eval
+    from h2o_kv.studies.eval.run import run_eval
 
-    check_eval(_list(args.tasks), _list(args.policies), args.data)  # bad names: one line, no model loaded
     size = SIZES[args.size].with_contexts(_contexts(args.contexts), _prefills(args.prefills)).with_windows(args.windows)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -16,8 +16,7 @@ from h2o_kv.cache.kvcache import KVCache, Mode
 from h2o_kv.policies import Budget, budget_tokens, build
 from h2o_kv.runtime.engine import Engine
 from h2o_kv.runtime.generation import decode_step, forward
-
-INT8 = "-int8"  # a policy name with this suffix stores its kept keys and values as int8 (KVCache(kv_dtype="int8"))
+from h2o_kv.studies.eval.sizes import INT8
 
 
 def kv_dtype_of(policy: str) -> str | None:

@@ -16,10 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from h2o_kv.cache.kvcache import Mode
-from h2o_kv.policies import Budget, policy_key
+from h2o_kv.policies import Budget
 from h2o_kv.studies.eval.cells import Cells, source_digest
-from h2o_kv.studies.eval.decoding import INT8
-from h2o_kv.studies.eval.sizes import DEFAULT_BUDGETS, DEFAULT_POLICIES, DEFAULT_TASKS, SIZES, TASKS, Size
+from h2o_kv.studies.eval.sizes import DEFAULT_BUDGETS, DEFAULT_POLICIES, DEFAULT_TASKS, SIZES, Size, check_eval
 from h2o_kv.studies.eval.tables import COLUMNS, long_rows, summary_markdown
 from h2o_kv.studies.report import environment, write_csv, write_json
 
@@ -29,17 +28,6 @@ Config = tuple[str, Budget]
 def configs(policies: Sequence[str], budgets: Sequence[Budget]) -> list[Config]:
     """Full first (the reference), then every (policy, budget)."""
     return [("full", None)] + [(p, b) for p in policies if p.lower() != "full" for b in budgets]
-
-
-def check_eval(tasks: Sequence[str], policies: Sequence[str], data: str | None) -> None:
-    """Refuse, before any model call, tasks and policy names that do not exist, and summarize without data."""
-    unknown = set(tasks) - set(TASKS)
-    if unknown:
-        raise ValueError(f"unknown task(s) {sorted(unknown)}; choose from {', '.join(TASKS)}")
-    if "summarize" in tasks and not data:
-        raise ValueError("the summarize task needs a JSONL file (data=..., CLI --data) with document and summary")
-    for name in policies:
-        policy_key(name.removesuffix(INT8))  # as decoding.new_cache reads it
 
 
 def run_eval(

@@ -5,8 +5,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
+
+from h2o_kv.policies import policy_key
+
+INT8 = "-int8"  # a policy name with this suffix stores its kept keys and values as int8 (KVCache(kv_dtype="int8"))
 
 TASKS = ("perplexity", "retrieval", "fidelity", "summarize")
 DEFAULT_TASKS = ("perplexity", "retrieval", "fidelity")
@@ -115,3 +120,14 @@ SIZES: dict[str, Size] = {
         SummarizeSize(records=8, new_tokens=64, document_tokens=768),
     ),
 }  # fmt: skip
+
+
+def check_eval(tasks: Sequence[str], policies: Sequence[str], data: str | None) -> None:
+    """Refuse, before any model call, tasks and policy names that do not exist, and summarize without data."""
+    unknown = set(tasks) - set(TASKS)
+    if unknown:
+        raise ValueError(f"unknown task(s) {sorted(unknown)}; choose from {', '.join(TASKS)}")
+    if "summarize" in tasks and not data:
+        raise ValueError("the summarize task needs a JSONL file (data=..., CLI --data) with document and summary")
+    for name in policies:
+        policy_key(name.removesuffix(INT8))  # as decoding.new_cache reads it

@@ -1,0 +1,48 @@
+"""`build(name, budget)`: the one policy builder (CLI, eval, bench and server)."""
+
+from __future__ import annotations
+
+from h2o_kv.policies.adakv import AdaKV
+from h2o_kv.policies.base import Policy
+from h2o_kv.policies.budget import Budget, check_budget_value, policy_key
+from h2o_kv.policies.full import Full
+from h2o_kv.policies.h2o import H2O
+from h2o_kv.policies.layers import LayerBudgets
+from h2o_kv.policies.local import Local
+from h2o_kv.policies.snapkv import SnapKV
+from h2o_kv.policies.streaming import StreamingLLM
+from h2o_kv.policies.tova import TOVA
+
+
+def build(name: str, budget: Budget = None, *, sinks: int = 4) -> Policy:
+    """The one way to turn a policy name and a budget into a policy (CLI, eval, bench and server).
+
+    `budget` is tokens per (sequence, KV head) as an int, or a fraction of the prompt as a float in
+    (0, 1], sized per sequence when the cache sees its prompt. H2O splits it evenly between heavy
+    hitters and the recent window (the paper's 50/50); StreamingLLM keeps `sinks` sink tokens
+    (budget - 1 when the budget is smaller) and a window of the rest. "full" takes no budget.
+    "pyramidkv" and "globalkv" are SnapKV with per-layer budgets averaging `budget` (LayerBudgets:
+    PyramidKV's schedule; sliding-window layers giving their budget to full-attention layers).
+    "adakv" is SnapKV with each layer's budget shared by its KV heads (AdaKV: heads x budget per layer).
+    """
+    key = policy_key(name)
+    if key == "full":
+        if budget is not None:
+            raise ValueError("policy 'full' keeps every token and takes no budget")
+        return Full()
+    if budget is None:
+        raise ValueError(f"policy {name!r} needs a budget: tokens (64) or a fraction of the prompt (0.2)")
+    check_budget_value(budget)
+    if key == "h2o":
+        return H2O(budget=budget)
+    if key == "local":
+        return Local(window=budget)
+    if key == "tova":
+        return TOVA(budget=budget)
+    if key == "snapkv":
+        return SnapKV(budget=budget)
+    if key == "adakv":
+        return AdaKV(SnapKV(budget=budget))
+    if key in ("pyramidkv", "globalkv"):
+        return LayerBudgets(SnapKV(budget=budget), "pyramid" if key == "pyramidkv" else "global")
+    return StreamingLLM(sinks=sinks, budget=budget)

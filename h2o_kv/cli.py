@@ -6,6 +6,7 @@ import argparse
 import sys
 import textwrap
 import time
+import warnings
 from collections.abc import Sequence
 
 from h2o_kv import policies  # names and budgets only: torch and the model code import once a command runs
@@ -315,6 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"h2o-kv: warning: {message}", file=sys.stderr, flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit codes: 0 done, 2 bad input (one line on stderr, nothing loaded), 130 interrupted (Ctrl-C)."""
     try:
@@ -322,7 +327,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from h2o_kv.runtime.allocator import retain_freed_memory
 
         retain_freed_memory()  # prompts reuse freed pages instead of faulting in new ones (allocator.py)
-        return args.func(args)
+        with warnings.catch_warnings():  # the library's warnings (a budget that keeps very few tokens): one line
+            warnings.showwarning = _one_line
+            return args.func(args)
     except (ValueError, FileNotFoundError, TypeError) as err:
         print(f"h2o-kv: error: {err}", file=sys.stderr)
         return 2

@@ -215,3 +215,17 @@ def test_help_and_argument_errors_answer_without_importing_torch(argv):
              "assert 'torch' not in sys.modules, 'torch was imported'\nsys.exit(code)\n")  # fmt: skip
     done = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=120)
     assert done.returncode == (0 if argv[-1] == "--help" else 2), done.stderr[-2000:]
+
+
+def test_a_budget_that_keeps_few_tokens_is_one_warning_line(monkeypatch, capsys, tokenizer):
+    """`--budget 0.2` of a short prompt: the generation runs, and stderr says once, in one line, how few tokens
+    the cache keeps and how to ask for more."""
+    from serve_helpers import tiny_model
+
+    model = tiny_model(tokenizer)
+    monkeypatch.setattr(models, "load_model", lambda *a, **kw: (model, tokenizer))
+    code = cli.main(["generate", "Explain KV caches.", "--policy", "h2o", "--budget", "0.2", "--max-new-tokens", "2"])
+    assert code == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warned) == 1 and warned[0].startswith("h2o-kv: warning: H2O(budget=0.2) keeps "), warned
+    assert "give a token budget" in warned[0]

@@ -14,6 +14,8 @@ go (select, repeat, join) through the `rows.Rows` methods.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -22,7 +24,7 @@ from h2o_kv.cache.quant import quantize
 from h2o_kv.cache.rows import GROWTH, Rows
 from h2o_kv.cache.settings import Mode, PaddingMemo, Settings
 from h2o_kv.cache.steady import Steady
-from h2o_kv.policies import SlotState
+from h2o_kv.policies import SlotState, short_fraction
 
 __all__ = ["KVLayer", "Mode", "PaddingMemo", "Settings", "GROWTH"]
 
@@ -210,6 +212,11 @@ class KVLayer(Rows, Steady, CacheLayerMixin):
             self.capacity = capacity.clamp(min=1).view(-1, 1).to(self.device)
             self.max_capacity = int(self.capacity.max())
             self.min_capacity = int(self.capacity.min())
+            if self.settings.sized_by_prompt and not self.settings.warned:
+                short = short_fraction(self.policy.describe(), self.min_capacity, int(prompt_len.max()))
+                if short is not None:  # once per cache: every layer fixes its budget
+                    self.settings.warned = True
+                    warnings.warn(short, stacklevel=2)
 
     def _insert(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> int | None:
         """Write new tokens into slots; padding gets a slot but stays marked empty.

@@ -47,9 +47,8 @@ class Settings:
         self._work: torch.Tensor | None = None
         if self.padding is None:
             self.padding = PaddingMemo()
-        lengths = torch.tensor([[[1000]], [[1999]]])
-        capacity = self.policy.capacity(lengths)  # a fraction of the prompt gives different capacities
-        self.sized_by_prompt = capacity is not None and bool(capacity[0] != capacity[1])
+        self.sized_by_prompt = self.policy.fraction_of_prompt()
+        self.warned = False  # a budget that keeps very few tokens is warned about once per cache (layer.py)
 
     @property
     def compileable(self) -> bool:

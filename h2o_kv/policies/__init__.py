@@ -7,6 +7,7 @@ import importlib
 
 from h2o_kv.policies.budget import (
     DEFAULT,
+    FRACTION_FLOOR,
     MAX_TOKENS,
     NAMES,
     Budget,
@@ -15,6 +16,7 @@ from h2o_kv.policies.budget import (
     is_fraction,
     parse_budget,
     policy_key,
+    short_fraction,
 )
 
 #: the rest of the package's names and the module each lives in (imported on first use: torch)
@@ -25,8 +27,8 @@ _LAZY = {
 }  # fmt: skip
 CLASSES = ("Policy", "H2O", "Local", "StreamingLLM", "TOVA", "SnapKV", "AdaKV", "LayerBudgets", "Sinks", "Full")
 
-__all__ = ["MAX_TOKENS", "NAMES", "DEFAULT", "Budget", "budget_tokens", "check_budget_value", "is_fraction",
-           "parse_budget", "policy_key", *_LAZY]  # fmt: skip
+__all__ = ["MAX_TOKENS", "NAMES", "DEFAULT", "FRACTION_FLOOR", "Budget", "budget_tokens", "check_budget_value",
+           "is_fraction", "parse_budget", "policy_key", "short_fraction", *_LAZY]  # fmt: skip
 
 
 def __getattr__(name: str):

@@ -61,6 +61,13 @@ class Policy:
         layer at every decode step: compute what depends only on the prompt lengths with `per_prompt`."""
         raise NotImplementedError
 
+    def fraction_of_prompt(self) -> bool:
+        """Whether the policy is sized by the prompt (a fraction: its capacity differs for two prompt lengths): its
+        tokens are then known only when the cache sees the prompt, and a short prompt may leave very few
+        (`budget.short_fraction`)."""
+        capacity = self.capacity(torch.tensor([[[1000]], [[1999]]]))
+        return capacity is not None and bool(capacity[0] != capacity[1])
+
     def protected_recent(self, state: SlotState) -> torch.Tensor | None:
         """`recent` [B, 1, 1] when `priority` is the score with the `recent` newest positions kept,
         `torch.where(state.pos >= state.next_pos - recent, inf, state.score)` (H2O, SnapKV): a decode step on a

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 MAX_TOKENS = 1 << 40  # a token count beyond this cannot mean anything real (and would overflow int64 sums)
 
+#: A fraction of the prompt that resolves to fewer tokens per (sequence, KV head) than this is warned about (not
+#: raised: the paper's semantics, int(ratio x prompt length), stay); below it generated text drifts off topic
+FRACTION_FLOOR = 16
+
 NAMES = ("h2o", "snapkv", "adakv", "pyramidkv", "globalkv", "local", "streamingllm", "tova", "full")
 DEFAULT = "globalkv"  # the default of generate, demo, the engine and serve: the best in docs/accuracy.md
 
@@ -71,3 +75,12 @@ def policy_key(name: str) -> str:
     if key not in NAMES:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(NAMES)}")
     return key
+
+
+def short_fraction(described: str, kept: int, prompt_len: int) -> str | None:
+    """The warning for a policy sized as a fraction of the prompt that keeps `kept` tokens per (sequence, KV head)
+    of a `prompt_len`-token prompt: None unless that is under FRACTION_FLOOR and evicts."""
+    if kept >= FRACTION_FLOOR or kept >= prompt_len:
+        return None
+    return (f"{described} keeps {kept} tokens per (sequence, KV head) of this {prompt_len}-token prompt, too few for "
+            f"coherent text: give a token budget (such as 64) or a larger fraction")  # fmt: skip

@@ -233,3 +233,19 @@ def test_metrics_count_tokens_requests_and_first_token_times(server, api) -> Non
     assert metric(url, "h2o_kv_requests_total", {"finish_reason": "length"}) - done == 2
     assert metric(url, "h2o_kv_time_to_first_token_seconds_count") - ttft == 2
     assert metric(url, "h2o_kv_requests_running") == 0 and metric(url, "h2o_kv_requests_waiting") == 0
+
+
+def test_a_fraction_that_keeps_few_tokens_is_said_in_the_response(server) -> None:
+    """kv_budget "0.2" of a short prompt keeps a handful of tokens: the reply carries `kv_warning` and the
+    X-KV-Warning header (streamed replies: the header); a token budget carries neither."""
+    url = server[1]
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "kv_policy": "h2o", "kv_budget": "0.2"}
+    reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 200
+    assert reply.json()["kv_warning"] == reply.headers["X-KV-Warning"]
+    assert "H2O(budget=0.2) keeps 2 tokens per (sequence, KV head)" in reply.headers["X-KV-Warning"]
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as streamed:
+        assert "keeps 2 tokens" in streamed.headers["X-KV-Warning"]
+        streamed.read()
+    tokens = httpx.post(f"{url}/v1/completions", json={**body, "kv_budget": 64}, timeout=60)
+    assert "kv_warning" not in tokens.json() and "X-KV-Warning" not in tokens.headers

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException
 from h2o_kv.runtime.generation import Sampling
 from h2o_kv.runtime.serve import schemas
 from h2o_kv.runtime.serve.metrics import CONTENT_TYPE, ServerMetrics
-from h2o_kv.runtime.serve.requests import ApiError, prompt_ids, resolve, submit_error
+from h2o_kv.runtime.serve.requests import ApiError, kv_warning, prompt_ids, resolve, submit_error
 
 
 class _Events:
@@ -183,16 +183,21 @@ def create_app(engine, model_name: str, *, tokenizer=None, manage_engine: bool =
         metrics.prompt_tokens.inc(len(ids))
         rid = schemas.new_id("chatcmpl" if chat else "cmpl")
         run.req = req
+        warning = kv_warning(engine.resolve_policy(job.policy, job.budget), len(ids))
+        warned = {} if warning is None else {"X-KV-Warning": warning}
         if body.stream:
             stream = _stream(run, events, rid, model_name, chat=chat, include_usage=body.include_usage)
-            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **warned}
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
         text, finish = await _collect(request, run, events)
         if finish == "error":
             raise ApiError(500, f"generation failed: {req.error}", type="server_error", code="generation_failed")
         use = schemas.usage(req.prompt_tokens, run.tokens)
         build = schemas.chat_completion if chat else schemas.completion
-        return build(rid, model_name, text, finish, use)
+        reply = build(rid, model_name, text, finish, use)
+        if warning is not None:  # an extra field: OpenAI clients keep it (the Python client in `model_extra`)
+            reply["kv_warning"] = warning
+        return JSONResponse(reply, headers=warned)
 
     return app
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from h2o_kv import policies
 from h2o_kv.runtime.generation import encode
 
@@ -81,6 +83,15 @@ def resolve(engine, body, ids: list[int]) -> Job:
             400, f"max_tokens {limit} is more than the model's context of {context} tokens", param="max_tokens"
         )
     return Job(policy=body.kv_policy, budget=budget, max_tokens=limit)
+
+
+def kv_warning(policy: policies.Policy, prompt_len: int) -> str | None:
+    """`policies.short_fraction`'s warning for a request whose policy, sized as a fraction of the prompt, keeps
+    very few tokens of this prompt (the response says it in `kv_warning` and the X-KV-Warning header)."""
+    if not policy.fraction_of_prompt():
+        return None
+    kept = policy.capacity(torch.tensor([prompt_len]))
+    return None if kept is None else policies.short_fraction(policy.describe(), int(kept.min()), prompt_len)
 
 
 def submit_error(err: ValueError, *, prompt_param: str) -> ApiError:

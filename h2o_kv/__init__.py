@@ -7,8 +7,7 @@ model.generate(**inputs, past_key_values=cache, max_new_tokens=200)
 Names are imported when first used, so `import h2o_kv` (and the CLI's argument parsing) does not import torch.
 """
 
-import importlib
-
+from h2o_kv.lazy import exports
 from h2o_kv.policies import CLASSES
 
 #: each public name and the module it lives in
@@ -23,10 +22,4 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'h2o_kv' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = exports(__name__, _EXPORTS)

@@ -17,6 +17,11 @@ import h2o_kv  # noqa: E402
 
 VOCAB = 128
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+# fmt: off
+OPT = dict(COMMON, ffn_dim=128, word_embed_proj_dim=64, max_position_embeddings=2048)
+GEMMA3 = dict(COMMON, intermediate_size=128, num_hidden_layers=3, num_key_value_heads=1, head_dim=16, sliding_window=6,
+              max_position_embeddings=2048, layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+# fmt: on
 
 
 def _llama_like(config_cls, model_cls, **extra):
@@ -29,34 +34,11 @@ TINY_MODELS = {
     "mistral": lambda: _llama_like(tf.MistralConfig, tf.MistralForCausalLM, sliding_window=None),
     "qwen2": lambda: _llama_like(tf.Qwen2Config, tf.Qwen2ForCausalLM),
     "qwen3": lambda: _llama_like(tf.Qwen3Config, tf.Qwen3ForCausalLM, head_dim=16),
-    "opt": lambda: tf.OPTForCausalLM(
-        tf.OPTConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            ffn_dim=128,
-            word_embed_proj_dim=64,
-            max_position_embeddings=2048,
-        )
-    ),
+    "opt": lambda: tf.OPTForCausalLM(tf.OPTConfig(**OPT)),
     "gpt_neox": lambda: tf.GPTNeoXForCausalLM(
         tf.GPTNeoXConfig(**COMMON, intermediate_size=128, max_position_embeddings=2048, rotary_pct=0.25)
     ),
-    "gemma3": lambda: tf.Gemma3ForCausalLM(
-        tf.Gemma3TextConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=1,
-            head_dim=16,
-            sliding_window=6,
-            max_position_embeddings=2048,
-            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-        )
-    ),
+    "gemma3": lambda: tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**GEMMA3)),
 }
 
 

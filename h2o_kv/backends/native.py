@@ -208,12 +208,20 @@ def attend_one(
     """`kernel.attend_one` in one pass per (sequence, KV head): q [B, Hq, 1, D] float32, keys/values
     [B, H, S, D] float32 or bfloat16, or int8 with their scales [B, H, S] (quant.py), pos [B, H, S] (-1 = empty slot;
     None: every slot holds a token, nothing masked); the output [B, 1, Hq, D] float32, scores and last [B, H, S]."""
+
+    def run(query: torch.Tensor, cap: float):  # after `load`: the op exists once the kernels are loaded
+        return torch.ops.h2o_kv.attend_one(query, keys, values, key_scale, value_scale, pos, cap)
+
+    return _one_query(q, scaling, softcap, run)
+
+
+def _one_query(q: torch.Tensor, scaling: float, softcap: float | None, run) -> tuple[torch.Tensor, ...]:
+    """A decode step's kernel call: the kernels loaded, q [B, Hq, 1, D] scaled and flattened to [B, Hq, D] in
+    float32, `run(query, softcap or 0)`; its output back as [B, 1, Hq, D] with the rest of what it returns."""
     load()
     batch, q_heads, _, dim = q.shape
-    query = (q.float() * scaling).reshape(batch, q_heads, dim)
-    cap = 0.0 if softcap is None else softcap
-    out, scores, last = torch.ops.h2o_kv.attend_one(query, keys, values, key_scale, value_scale, pos, cap)
-    return out.view(batch, 1, q_heads, dim), scores, last
+    out, *rest = run((q.float() * scaling).reshape(batch, q_heads, dim), 0.0 if softcap is None else softcap)
+    return out.view(batch, 1, q_heads, -1), *rest
 
 
 def decode_step(
@@ -293,12 +301,11 @@ def pooled_attend_one(
     """`kernel.attend_one` over a head-pooled row: q [B, Hq, 1, D] float32 (query head i reads KV head
     i // (Hq / heads)), keys/values [B, 1, S, D] float32, slot_head [B, 1, S] int8, pos [B, 1, S]; the output
     [B, 1, Hq, D], scores [B, 1, S] (summed over each slot's own query heads) and last (their mean)."""
-    load()
-    batch, q_heads, _, dim = q.shape
-    query = (q * scaling).reshape(batch, q_heads, dim)
-    cap = 0.0 if softcap is None else softcap
-    out, scores, last = torch.ops.h2o_kv.pooled_attend_one(query, keys, values, slot_head, pos, heads, cap)
-    return out.view(batch, 1, q_heads, dim), scores, last
+
+    def run(query: torch.Tensor, cap: float):
+        return torch.ops.h2o_kv.pooled_attend_one(query, keys, values, slot_head, pos, heads, cap)
+
+    return _one_query(q, scaling, softcap, run)
 
 
 def pooled_decode_step(

@@ -196,20 +196,9 @@ def attend(
     return out.transpose(1, 2).contiguous().to(dtype), scores, last
 
 
-def attend_prompt(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    pos: torch.Tensor,
-    qpos: torch.Tensor,
-    *,
-    scaling: float,
-    new_from: int,
-    window: int | None,
-    want_scores: bool,
-    want_last: bool,
-    score_from: int,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def attend_prompt(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, qpos: torch.Tensor, *,
+                  scaling: float, new_from: int, window: int | None, want_scores: bool, want_last: bool,
+                  score_from: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
     """`attend` for in-order new tokens after old slots without holes, when no query before `score_from`
     needs its attention probabilities (SnapKV's observation window, TOVA's last query, or no scores).
 

@@ -3,8 +3,7 @@
 The names and the budget rule (`budget.py`) import at once; the policy classes and `build` (torch) when first used.
 """
 
-import importlib
-
+from h2o_kv.lazy import exports
 from h2o_kv.policies.budget import (
     DEFAULT,
     FRACTION_FLOOR,
@@ -21,19 +20,16 @@ from h2o_kv.policies.budget import (
 
 #: the rest of the package's names and the module each lives in (imported on first use: torch)
 _LAZY = {
-    "Policy": "base", "SlotState": "base", "per_prompt": "base", "Full": "full", "H2O": "h2o", "Local": "local",
-    "StreamingLLM": "streaming", "TOVA": "tova", "SnapKV": "snapkv", "AdaKV": "adakv", "Sinks": "sinks",
-    "LayerBudgets": "layers", "build": "builder",
+    name: f"h2o_kv.policies.{module}"
+    for name, module in {
+        "Policy": "base", "SlotState": "base", "per_prompt": "base", "Full": "full", "H2O": "h2o", "Local": "local",
+        "StreamingLLM": "streaming", "TOVA": "tova", "SnapKV": "snapkv", "AdaKV": "adakv", "Sinks": "sinks",
+        "LayerBudgets": "layers", "build": "builder",
+    }.items()
 }  # fmt: skip
 CLASSES = ("Policy", "H2O", "Local", "StreamingLLM", "TOVA", "SnapKV", "AdaKV", "LayerBudgets", "Sinks", "Full")
 
 __all__ = ["MAX_TOKENS", "NAMES", "DEFAULT", "FRACTION_FLOOR", "Budget", "budget_tokens", "check_budget_value",
            "is_fraction", "parse_budget", "policy_key", "short_fraction", *_LAZY]  # fmt: skip
 
-
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'h2o_kv.policies' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"h2o_kv.policies.{_LAZY[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = exports(__name__, _LAZY)

@@ -119,6 +119,21 @@ def study_parser(subparsers: Any, name: str, help: str, description: str, add_ar
     return parser
 
 
+def run_study(prog: str, name: str, description: str, add_arguments, main, argv=None, epilog=None) -> int:
+    """`python -m` for a study: parse its flags and run `main`, a bad input as one line and exit code 2."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return main(args)
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        print(f"h2o-kv {name}: error: {err}", file=sys.stderr)
+        return 2
+
+
 def extra_installed(command: str, extra: str, modules: Sequence[str]) -> bool:
     """Whether a study's optional packages are installed; prints the one line that says what to install if not."""
     missing = missing_extra(command, extra, modules)

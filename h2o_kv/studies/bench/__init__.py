@@ -13,8 +13,7 @@ roofline, same memory), bars, output and plots, profile, cli. Importing this pac
 the core's dependencies; running it needs the `bench` extra (matplotlib, tqdm).
 """
 
-import importlib
-
+from h2o_kv.lazy import exports
 from h2o_kv.studies.bench.config import DYNAMIC  # light: names and presets (torch imports where a cache is made)
 
 #: each exported name and the module of this package it lives in, imported on first use (the CLI's flag parsing
@@ -28,14 +27,9 @@ _EXPORTS = {
     **dict.fromkeys(("add_ratios", "add_roofline", "load_text", "prompt_ids", "run_bench"), "sweep"),
     **dict.fromkeys(("bench_config", "bench_together", "decode_in_turn", "decode_steps", "prefill"), "timing"),
 }
+_EXPORTS = {name: f"h2o_kv.studies.bench.{module}" for name, module in _EXPORTS.items()}
 BASELINE = DYNAMIC  # the stock baseline's name, "full-sdpa"
 
 __all__ = ["BASELINE", *_EXPORTS]
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'h2o_kv.studies.bench' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"h2o_kv.studies.bench.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = exports(__name__, _EXPORTS)

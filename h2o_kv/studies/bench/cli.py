@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -11,7 +10,7 @@ from typing import Any
 
 from h2o_kv.policies import parse_budget
 from h2o_kv.studies.bench.config import EXTRA_POLICIES, POLICIES, SIZES
-from h2o_kv.studies.report import extra_installed, study_parser
+from h2o_kv.studies.report import extra_installed, run_study, study_parser
 
 DESCRIPTION = (
     "Throughput and memory: the stock model (SDPA with DynamicCache and with StaticCache) against "
@@ -160,12 +159,4 @@ def main(args: argparse.Namespace) -> int:
 
 def run_cli(argv: Sequence[str] | None = None) -> int:
     """`python -m h2o_kv.studies.bench`: parse the flags and run, errors as one line."""
-    parser = argparse.ArgumentParser(prog="python -m h2o_kv.studies.bench", description=DESCRIPTION, epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return main(args)
-    except (ValueError, TypeError, FileNotFoundError) as err:
-        print(f"h2o-kv bench: error: {err}", file=sys.stderr)
-        return 2
+    return run_study("python -m h2o_kv.studies.bench", "bench", DESCRIPTION, add_arguments, main, argv, EPILOG)

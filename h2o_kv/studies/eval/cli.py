@@ -17,7 +17,7 @@ from typing import Any
 
 from h2o_kv.studies.eval import parse_budgets
 from h2o_kv.studies.eval.sizes import DEFAULT_BUDGETS, DEFAULT_POLICIES, DEFAULT_TASKS, SIZES, TASKS, check_eval
-from h2o_kv.studies.report import command_line, extra_installed, study_parser
+from h2o_kv.studies.report import command_line, extra_installed, run_study, study_parser
 
 
 def _budgets(text: str) -> list[float | int]:
@@ -123,18 +123,7 @@ def _prefills(text: str | None) -> tuple[str, ...] | None:
 
 
 def _main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m h2o_kv.studies.eval.cli",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return main(args)
-    except (ValueError, TypeError, FileNotFoundError) as err:
-        print(f"h2o-kv eval: error: {err}", file=sys.stderr)
-        return 2
+    return run_study("python -m h2o_kv.studies.eval.cli", "eval", __doc__, add_arguments, main, argv)
 
 
 if __name__ == "__main__":

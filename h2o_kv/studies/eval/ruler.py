@@ -156,25 +156,22 @@ def make_sample(
     if task == "common_words":
         if num_common < 1 or uncommon_freq < 1:
             raise ValueError("num_common and uncommon_freq must be >= 1")
-        prompt, answers, t, meta = common_words(
-            rng, haystack, tokenizer_len, context_tokens, num_common, common_freq, uncommon_freq
-        )
+        built = common_words(rng, haystack, tokenizer_len, context_tokens, num_common, common_freq, uncommon_freq)
     else:
         filler = Filler(haystack, rng)
         tpw = filler.tokens_per_word(tokenizer_len)
         if task == "passkey":
-            prompt, answers, t, meta = passkey(rng, filler, tpw, tokenizer_len, context_tokens, depth, value_kind)
+            built = passkey(rng, filler, tpw, tokenizer_len, context_tokens, depth, value_kind)
         elif task == "variable_tracking":
             if num_chains < 1 or num_hops < 0:
                 raise ValueError("variable_tracking needs num_chains >= 1 and num_hops >= 0")
-            prompt, answers, t, meta = variable_tracking(
-                rng, filler, tpw, tokenizer_len, context_tokens, num_chains, num_hops
-            )
+            built = variable_tracking(rng, filler, tpw, tokenizer_len, context_tokens, num_chains, num_hops)
         else:
             k = 1 if task == "niah_single" else num_keys
             if k < 1 or (task == "niah_multikey" and k < 2):
                 raise ValueError(f"niah_multikey needs num_keys >= 2, got {num_keys}")
-            prompt, answers, t, meta = niah(rng, filler, tpw, tokenizer_len, context_tokens, depth, value_kind, k)
+            built = niah(rng, filler, tpw, tokenizer_len, context_tokens, depth, value_kind, k)
+    prompt, answers, t, meta = built
     meta = {"seed": seed, "prompt_tokens": t, "max_new_tokens": TOKENS_TO_GENERATE[task], **meta}
     return Sample(prompt=prompt, answers=answers, task=task, context_tokens=context_tokens, depth=depth, metadata=meta)
 

@@ -196,15 +196,8 @@ def check_depth(depth: float | None, rng: random.Random) -> float:
     return float(depth)
 
 
-def passkey(
-    rng: random.Random,
-    filler: Filler,
-    tpw: float,
-    tokenizer_len: _TokLen,
-    context_tokens: int,
-    depth: float,
-    value_kind: str,
-) -> _Built:
+def passkey(rng: random.Random, filler: Filler, tpw: float, tokenizer_len: _TokLen, context_tokens: int, depth: float,
+            value_kind: str) -> _Built:  # fmt: skip
     value = _value(rng, value_kind, digits=5)
     needle = _PASSKEY_NEEDLE.format(value=value)
     tail = f"What is the pass key? {_PASSKEY_PREFIX}"
@@ -227,16 +220,8 @@ def _actual(filler: Filler, depth: float, n: int) -> float:
     return filler.snap(depth, n) / n if n else 0.0
 
 
-def niah(
-    rng: random.Random,
-    filler: Filler,
-    tpw: float,
-    tokenizer_len: _TokLen,
-    context_tokens: int,
-    depth: float,
-    value_kind: str,
-    num_keys: int,
-) -> _Built:
+def niah(rng: random.Random, filler: Filler, tpw: float, tokenizer_len: _TokLen, context_tokens: int, depth: float,
+         value_kind: str, num_keys: int) -> _Built:  # fmt: skip
     kind = "numbers" if value_kind == "number" else "uuids"
     pairs = [(a, b) for a in _ADJECTIVES for b in _NOUNS]
     keys = [f"{a}-{b}" for a, b in rng.sample(pairs, num_keys)]

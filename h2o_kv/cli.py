@@ -105,6 +105,7 @@ def generate(
         "seen_tokens": request.cache_stats.get("seen_tokens", 0),
         "kept_tokens": request.cache_stats.get("kept_tokens", 0),
         "kv_bytes": request.cache_stats.get("kv_bytes", 0),
+        "kv_kept_bytes": request.cache_stats.get("kv_kept_bytes", 0),
         "prefill_s": first - start,
         "tokens_per_s": (new_tokens - 1) / (end - first) if end > first and new_tokens > 1 else float("nan"),
     }
@@ -136,7 +137,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     share = " per process" if world_size() > 1 else ""  # tensor parallel: each process holds its KV heads
     print(
         f"\n[{result['policy']}] kept {result['kept_tokens']} of {result['seen_tokens']} tokens "
-        f"(most per layer and KV head) | KV cache {_mib(result['kv_bytes'])}{share} | "
+        f"(most per layer and KV head) | KV cache {_mib(result['kv_kept_bytes'])} held by kept tokens, "
+        f"{_mib(result['kv_bytes'])} allocated{share} | "
         f"prefill {result['prefill_s']:.1f} s | "
         f"{result['new_tokens']} new tokens at {result['tokens_per_s']:.1f} tokens/s",
         file=sys.stderr,
@@ -175,14 +177,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print("-+-".join("-" * width for _ in titles))
     stats = [
         ("kept / seen", lambda r: f"{r['kept_tokens']} / {r['seen_tokens']}"),
-        ("KV cache", lambda r: _mib(r["kv_bytes"])),
+        ("KV kept / allocated", lambda r: f"{_mib(r['kv_kept_bytes'])} / {_mib(r['kv_bytes'])}"),
         ("prefill", lambda r: f"{r['prefill_s']:.1f} s"),
         ("decode tok/s", lambda r: f"{r['tokens_per_s']:.1f}"),
     ]
     for label, fmt in stats:
         print(" | ".join(f"{label}: {fmt(r)}".ljust(width) for r in results))
-    ratio = results[1]["kv_bytes"] / results[0]["kv_bytes"]
-    print(f"\nThe bounded caches hold {ratio:.0%} of the full cache's bytes.")
+    ratio = results[1]["kv_kept_bytes"] / results[0]["kv_kept_bytes"]
+    print(f"\nThe bounded caches' kept tokens take {ratio:.0%} of the full cache's kept bytes.")
     return 0
 
 

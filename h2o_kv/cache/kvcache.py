@@ -156,8 +156,14 @@ class KVCache(Cache):
         return torch.stack([layer.kept() for layer in self.layers])
 
     def nbytes(self) -> int:
-        """Bytes the cache holds now (keys, values and the per-slot bookkeeping)."""
+        """Bytes the cache has allocated now (keys, values and the per-slot bookkeeping), the slots its storage
+        reserved ahead included: the memory it takes."""
         return sum(layer.nbytes() for layer in self.layers if layer.is_initialized)
+
+    def kept_nbytes(self) -> int:
+        """Bytes of the slots that hold a kept token: what the kept tokens need, at most `nbytes()`. Compare caches
+        with one measure: a short prompt's `nbytes()` is mostly slots reserved ahead (a host sync per layer)."""
+        return sum(layer.kept_nbytes() for layer in self.layers if layer.is_initialized)
 
 
 def check_continues(layer: KVLayer, keys: torch.Tensor, values: torch.Tensor) -> None:

@@ -375,8 +375,16 @@ class KVLayer(Rows, Steady, CacheLayerMixin):
         return self.settings.compile_kernel and device.type == "cpu" and not torch.compiler.is_compiling()
 
     def nbytes(self) -> int:
+        """Bytes allocated: every slot of the storage, empty or not, and its bookkeeping."""
         tensors = (self.keys, self.values, self.pos, self.score, self.last, self.key_scale, self.value_scale, self.head)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def kept_nbytes(self, row: int | None = None) -> int:
+        """Bytes of the slots that hold a token (with their bookkeeping), of one sequence `row` or all: what the
+        kept tokens need (a host sync)."""
+        slots = self.pos.numel()
+        kept = (self.pos if row is None else self.pos[row]) >= 0
+        return self.nbytes() * int(kept.sum()) // slots if slots else 0
 
 
 def ranks_of(order: torch.Tensor) -> torch.Tensor:

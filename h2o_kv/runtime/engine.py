@@ -367,7 +367,8 @@ def _record(request: Request, cache: KVCache, row: int) -> None:
     request.cache_stats = {
         "kept_tokens": int(cache.kept_per_head()[:, row].max()),
         "seen_tokens": int(layer.next_pos[row].max()),
-        "kv_bytes": cache.nbytes() // cache.batch_size,
+        "kv_bytes": cache.nbytes() // cache.batch_size,  # allocated, this row's share
+        "kv_kept_bytes": sum(layer.kept_nbytes(row) for layer in cache.layers),  # held by this row's kept tokens
     }
 
 

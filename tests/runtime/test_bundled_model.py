@@ -68,7 +68,7 @@ def test_cli_generate_prints_cache_stats(capsys):
 def test_cli_demo_side_by_side(capsys):
     assert cli.main(["demo", "--words", "120", "--max-new-tokens", "8"]) == 0
     out = capsys.readouterr().out
-    assert "Full cache" in out and "H2O at 20% of the prompt" in out and "KV cache" in out
+    assert "Full cache" in out and "H2O at 20% of the prompt" in out and "KV kept / allocated" in out
 
 
 def test_cli_rejects_bad_flags_before_loading(capsys):

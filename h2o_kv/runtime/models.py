@@ -272,11 +272,16 @@ def load_model(
         from h2o_kv.runtime.distributed import tp_load_kwargs
 
         parallel = tp_load_kwargs(source, tp_plan)
+    try:  # before the weights: a folder without a tokenizer is refused at once, in one line
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"no tokenizer could be loaded from {name!r}: a model folder needs its tokenizer files "
+                         f"(tokenizer.json or tokenizer_config.json with its vocabulary) beside the weights "
+                         f"({type(err).__name__}: {str(err).splitlines()[0][:200]})") from None  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(source, dtype=_resolve_dtype(dtype, device), **parallel)
     if not parallel:
         model.to(device)
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(source)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"

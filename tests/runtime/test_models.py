@@ -99,3 +99,13 @@ def test_load_with_h2o_enabled(bundled) -> None:
     inputs = tokenizer("Hello there", return_tensors="pt")
     with torch.no_grad():
         assert torch.isfinite(model(**inputs).logits).all()
+
+
+def test_a_model_folder_without_a_tokenizer_is_refused_in_one_line(tmp_path: Path) -> None:
+    """The weights are there, the tokenizer files are not: one clear line, before the weights load."""
+    from conftest import make_model
+
+    make_model("llama").save_pretrained(tmp_path / "tiny")
+    with pytest.raises(ValueError, match="no tokenizer could be loaded from .*tokenizer files") as raised:
+        load_model(str(tmp_path / "tiny"), enable_h2o=False)
+    assert "\n" not in str(raised.value)

@@ -239,3 +239,31 @@ def test_load_generator_refuses_kv_dtype_for_a_server_it_does_not_start(capsys) 
     assert loadgen.main(["--url", "http://127.0.0.1:9", "--kv-dtype", "int8", "--requests", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--kv-dtype" in err[0] and "--url" in err[0]
+
+
+def test_while_draining_new_requests_get_503_with_a_message(model, tokenizer) -> None:
+    """After SIGTERM (the server's shutdown) the admitted stream goes on draining while a new request is answered
+    503 with an OpenAI-shaped error saying why, not a refused connection."""
+    long, refused = [], []
+    body = {"model": MODEL, "prompt": "Hello", "temperature": 0, "stream": True, "max_tokens": 1000}
+
+    def knock(url: str) -> None:  # the server still listens while it drains
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not refused:
+            reply = httpx.post(f"{url}/v1/completions", json={**body, "stream": False, "max_tokens": 2}, timeout=30)
+            if reply.status_code == 503:
+                refused.append(reply.json())
+            time.sleep(0.02)
+
+    with running_server(model, tokenizer, drain_timeout=3.0) as (engine, url):
+        streaming = threading.Thread(target=_read_stream, args=(url, body, long))
+        streaming.start()
+        wait_for(lambda: len(long) >= 2, what="the long stream to start")
+        knocking = threading.Thread(target=knock, args=(url,))
+        knocking.start()
+    knocking.join(timeout=30)
+    streaming.join(timeout=30)
+    assert refused, "no request was answered 503 while the server drained"
+    error = refused[0]["error"]
+    assert error["code"] == "shutting_down" and "shutting down" in error["message"]
+    assert long[-1] == "data: [DONE]"

@@ -98,7 +98,17 @@ def create_app(engine, model_name: str, *, tokenizer=None, manage_engine: bool =
             await asyncio.to_thread(engine.shutdown, drain=False)
 
     app = FastAPI(title="h2o-kv", lifespan=lifespan)
-    app.state.engine, app.state.metrics = engine, metrics
+    app.state.engine, app.state.metrics, app.state.draining = engine, metrics, False
+
+    @app.middleware("http")
+    async def refuse_while_draining(request: Request, call_next):
+        if app.state.draining:  # server.Server sets it on SIGTERM: admitted requests finish, new ones are told
+            metrics.rejected.labels("503").inc()
+            error = ApiError(503, "the server is shutting down: it finishes the requests it has and takes no new "
+                             "ones; retry on another replica or after it restarts", type="server_error",
+                             code="shutting_down")  # fmt: skip
+            return _error_response(error)
+        return await call_next(request)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, err: ApiError) -> JSONResponse:

@@ -14,7 +14,9 @@ import uvicorn
 
 class Server(uvicorn.Server):
     """On SIGTERM/SIGINT the engine drains for `drain_timeout` seconds, then ends what is left, so
-    every open stream gets its final chunk and `data: [DONE]` before uvicorn closes the connections."""
+    every open stream gets its final chunk and `data: [DONE]` before uvicorn closes the connections. While it
+    drains the server still accepts connections and answers new requests 503 (`app.state.draining`), so a
+    client reads why instead of a refused connection."""
 
     def __init__(self, config: uvicorn.Config, engine, drain_timeout: float) -> None:
         super().__init__(config)
@@ -30,9 +32,9 @@ class Server(uvicorn.Server):
         return cls(config, engine, drain_timeout)
 
     async def shutdown(self, sockets=None) -> None:
-        ending = asyncio.create_task(self._end_engine())
+        self.config.app.state.draining = True  # new requests: 503 while the admitted ones finish
+        await self._end_engine()
         await super().shutdown(sockets)
-        await ending
 
     async def _end_engine(self) -> None:
         """Let admitted and queued requests finish for up to `drain_timeout` s, then cancel the rest

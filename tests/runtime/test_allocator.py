@@ -19,9 +19,12 @@ glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt's 
 
 # Allocate, touch and free a 256 MiB tensor five times; print the minor page faults of rounds 2-5. Small
 # objects made between rounds can take the start of the freed block, so the heap may grow once more before
-# the blocks reuse it: retained, about one round's pages in all; glibc as it comes, every round's.
+# the blocks reuse it: retained, about one round's pages in all; glibc as it comes, every round's. The process
+# first imports what a command has imported by its first prompt (transformers): a heap with free small chunks,
+# which later small objects take, rather than a bare one whose only free chunk is the big block (split by every
+# small object, so the heap grew every round in a bare process on a busy machine).
 SCRIPT = """
-import resource, torch
+import resource, torch, transformers
 from h2o_kv.runtime.allocator import retain_freed_memory
 print(retain_freed_memory())
 faults = []

@@ -229,3 +229,22 @@ def test_a_budget_that_keeps_few_tokens_is_one_warning_line(monkeypatch, capsys,
     warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
     assert len(warned) == 1 and warned[0].startswith("h2o-kv: warning: H2O(budget=0.2) keeps "), warned
     assert "give a token budget" in warned[0]
+
+
+def test_eval_writes_a_new_folder_outside_results_and_its_help_gives_defaults(monkeypatch, tmp_path, capsys):
+    """`h2o-kv eval` without --out writes to a new eval-runs/SIZE-TIME folder of the working directory (never the
+    committed results/eval) and says where; `--help` prints each flag's default; `--size tiny` exists."""
+    from h2o_kv.studies.eval import run
+
+    seen = {}
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(models, "load_model", lambda *a, **kw: (None, None))
+    monkeypatch.setattr(run, "run_eval", lambda model, tokenizer, **kw: seen.update(kw) or [])
+    assert cli.main(["eval", "--size", "tiny", "--tasks", "perplexity"]) == 0
+    out = seen["out_dir"]
+    assert out.startswith("eval-runs/tiny-") and not out.startswith("results")
+    assert out in capsys.readouterr().out
+    monkeypatch.setenv("COLUMNS", "300")  # argparse wraps help at the terminal's width
+    with pytest.raises(SystemExit):
+        cli.main(["eval", "--help"])
+    assert "(default: perplexity,retrieval,fidelity)" in capsys.readouterr().out

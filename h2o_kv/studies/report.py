@@ -108,12 +108,18 @@ def save_figure(fig: Any, path: Path, *, dpi: int = 110) -> Path:
     return path
 
 
-def study_parser(subparsers: Any, name: str, help: str, description: str, add_arguments, main, epilog=None):
-    """Register a study's subcommand (`name`, its flags from `add_arguments`, `main` run as args.func)."""
+def study_parser(subparsers: Any, name: str, help: str, description: str, add_arguments, main, epilog=None,
+                 show_defaults: bool = False):  # fmt: skip
+    """Register a study's subcommand (`name`, its flags from `add_arguments`, `main` run as args.func;
+    `show_defaults`: --help gives each flag's default)."""
     import argparse
 
+    class Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        pass
+
+    formatter = Help if show_defaults else argparse.RawDescriptionHelpFormatter
     parser = subparsers.add_parser(name, help=help, description=description, epilog=epilog,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+                                   formatter_class=formatter)  # fmt: skip
     add_arguments(parser)
     parser.set_defaults(func=main)
     return parser

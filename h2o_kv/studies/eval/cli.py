@@ -1,7 +1,8 @@
 """`h2o-kv eval`: accuracy of a model under KV-cache policies and budgets (see `run.run_eval`).
 
-    h2o-kv eval                                   # small default: results/eval/ on the bundled model
-    h2o-kv eval --size large                      # the fuller protocol (long; hours on a CPU)
+    h2o-kv eval --size tiny                       # a first look, under a minute: tables and plots in eval-runs/
+    h2o-kv eval                                   # small (minutes on a CPU) on the bundled model
+    h2o-kv eval --size large --out results/eval   # the fuller protocol (long; hours on a CPU), the committed tables
     h2o-kv eval --size large --resume             # after an interruption: reuse the finished cells
     h2o-kv eval --tasks perplexity --budgets 64,128,256 --corpus my_texts/
     h2o-kv eval --tasks summarize --data xsum.jsonl
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,8 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--size",
         default="small",
         choices=sorted(SIZES),
-        help="small: minutes on a CPU; large: the fuller protocol; niah: needle retrieval, 20 samples per "
-        "context; ruler: passkey and variable tracking, 20 samples (the kvpress side by side's)",
+        help="tiny: a first look in under a minute; small: minutes on a CPU; large: the fuller protocol; niah: "
+        "needle retrieval, 20 samples per context; ruler: passkey and variable tracking, 20 samples (the kvpress "
+        "side by side's)",
     )
     add("--mode", default="drop", choices=["drop", "mask"], help="drop frees evicted tokens (faster, same numbers)")
     add("--corpus", default=None, help="text file, directory of *.txt or HF dataset name[:config][:split]")
@@ -61,7 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--contexts", default=None, help="retrieval context lengths, e.g. 1024,2048 (default: the size's)")
     add("--prefills", default=None, help="retrieval prefill settings: oneshot,stream (default: the size's)")
     add("--windows", type=int, default=None, help="perplexity text windows (default: the size's)")
-    add("--out", default="results/eval", help="output directory (tables and plots; finished cells in OUT/cells)")
+    add(
+        "--out",
+        default=None,
+        help="output directory (tables and plots; finished cells in OUT/cells); default: a new "
+        "folder eval-runs/SIZE-YYYYmmdd-HHMMSS, never the committed results/",
+    )
     add(
         "--resume",
         action="store_true",
@@ -76,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register the `eval` subcommand on an argparse subparsers object (runs `main` as args.func)."""
     return study_parser(subparsers, "eval", "accuracy under KV budgets: perplexity, retrieval, fidelity, summarisation",
-                        __doc__, add_arguments, main)  # fmt: skip
+                        __doc__, add_arguments, main, show_defaults=True)  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:
@@ -84,6 +92,8 @@ def main(args: argparse.Namespace) -> int:
     if not extra_installed("eval", "eval", ("matplotlib", "tqdm")):
         return 2
     check_eval(_list(args.tasks), _list(args.policies), args.data)  # bad names: one line, before torch loads
+    if args.out is None:  # a new folder per run: a first try never overwrites the committed results/eval
+        args.out = f"eval-runs/{args.size}-{time.strftime('%Y%m%d-%H%M%S')}"
     import torch
 
     from h2o_kv.runtime.models import load_model

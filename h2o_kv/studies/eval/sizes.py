@@ -88,6 +88,13 @@ class Size:
 
 
 SIZES: dict[str, Size] = {
+    # A first run that shows the tables and plots, in under a minute on 2 CPU cores: too few samples to rank policies
+    "tiny": Size(
+        PerplexitySize(windows=1, length=192, chunk=64),
+        RetrievalSize(("passkey",), (192,), samples=1, prefills=("oneshot",), chunk=16, answer_cap=8),
+        FidelitySize(prompts=1, passage_tokens=96, new_tokens=8),
+        SummarizeSize(records=2, new_tokens=16, document_tokens=256),
+    ),
     "small": Size(
         PerplexitySize(windows=4, length=1024, chunk=1),
         RetrievalSize(("passkey", "niah_single"), (512, 1024), samples=2, prefills=("oneshot", "stream"),

@@ -142,22 +142,35 @@ def test_same_memory_batch_fits_the_cap(run):
 
 
 def test_bars_are_reported(run):
+    """Read at the shape they are defined at (here the run's own largest), every bar passes or fails."""
     _, rows = run
-    bars = {b["bar"]: b for b in bench.check_bars(rows)}
-    assert len(bars) == 8 and all(b["passed"] is not None for b in bars.values())
-    assert bars["KV bytes H2O = budget share of full-sdpa"]["passed"]  # the accounting holds on any machine
-    assert "bars: 4096 x 4" in bars["decode H2O >= 1.6x static-sdpa (StaticCache) tok/s"]["detail"]
-    static = [b for b in bars.values() if "static-sdpa" in b["bar"]]
-    assert len(static) == 3  # decode, prefill and same memory against StaticCache
     first = sweep(rows)[0]["threads"]  # the bars read the first thread count's largest prompt and batch
     measured = [r for r in sweep(rows) if r["threads"] == first]
     size = max(r["prompt_len"] for r in measured), max(r["batch"] for r in measured)
+    bars = {b["bar"]: b for b in bench.check_bars(rows, defined_at=size)}
+    assert len(bars) == 8 and all(b["passed"] is not None for b in bars.values())
+    assert bars["KV bytes H2O = budget share of full-sdpa"]["passed"]  # the accounting holds on any machine
+    static = [b for b in bars.values() if "static-sdpa" in b["bar"]]
+    assert len(static) == 3  # decode, prefill and same memory against StaticCache
     h2o = next(r for r in measured if (r["policy"], r["prompt_len"], r["batch"]) == ("h2o", *size))
     floor = bars["H2O decode step within 1.5x of the bandwidth floor"]["detail"]
     assert f"last step {h2o['step_ms_last']:.1f} ms" in floor  # the bar's step, with the run's median beside it
     assert f"the median step {statistics.median(h2o['step_ms']):.1f} ms" in floor
     assert f"({h2o['bandwidth_gb_s']:.1f} GB/s, the median read in turn)" in floor
     assert h2o["bandwidth_best_gb_s"] >= h2o["bandwidth_gb_s"] and "against the best read" in floor
+
+
+def test_bars_defined_at_another_shape_skip_and_say_why(run):
+    """The speed bars are defined at 4096 x 4: a smaller run SKIPs them, naming both shapes, and still checks the
+    KV accounting, which holds at any shape."""
+    _, rows = run
+    bars = bench.check_bars(rows)
+    kv = [b for b in bars if b["bar"].startswith("KV bytes")]
+    assert len(kv) == 1 and kv[0]["passed"] is True
+    skipped = [b for b in bars if b not in kv]
+    assert skipped and all(b["passed"] is None for b in skipped)
+    assert all("defined at prompt 4096 x batch 4; this run's largest is" in b["detail"] for b in skipped)
+    assert all(line.startswith(("SKIP", "PASS")) for line in bench.format_bars(bars).splitlines())
 
 
 def test_write_results(run, tmp_path):
@@ -367,6 +380,43 @@ def test_same_memory_runs_int8_storage_at_a_bigger_batch():
     assert same["static-sdpa"]["batch"] < same["h2o"]["batch"] < same["h2o-int8"]["batch"]
     for r in same.values():
         assert r["kv_bytes"] <= r["cap_bytes"] and r["kept_tokens"] <= r["seen_tokens"]
-    bars = {b["bar"]: b for b in bench.check_bars(rows)}
+    bars = {b["bar"]: b for b in bench.check_bars(rows, defined_at=(80, 2))}
     int8_bar = bars["same memory, int8 KV: H2O's bigger batch >= 4x static-sdpa tok/s"]
     assert int8_bar["passed"] is not None and f"batch {same['h2o-int8']['batch']} vs 2" in int8_bar["detail"]
+
+
+@pytest.mark.parametrize("check", [False, True], ids=["report", "check"])
+def test_a_failed_bar_fails_the_run_only_with_check(check, monkeypatch, tmp_path, capsys):
+    """`h2o-kv bench --check` exits 1 when a bar FAILs (the bars' lines say which); without it the run reports and
+    exits 0. The run is real, on a tiny model; one bar's reading is replaced by a failure."""
+    from h2o_kv import cli
+    from h2o_kv.runtime import models
+    from h2o_kv.studies.bench import bars
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **kw: (make_model("llama"), CharTokenizer()))
+    real = bars.check_bars
+    monkeypatch.setattr(bars, "check_bars", lambda rows: [*real(rows), dict(bar="a bar", passed=False, detail="x")])
+    argv = [
+        "bench",
+        "--prompt-lens",
+        "40",
+        "--gen-len",
+        "2",
+        "--batch-sizes",
+        "1",
+        "--threads",
+        "1",
+        "--repeats",
+        "1",
+        "--policies",
+        "full-sdpa,static-sdpa,h2o",
+        "--budget",
+        "8",
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+    ]
+    assert cli.main(argv + (["--check"] if check else [])) == (1 if check else 0)
+    captured = capsys.readouterr()
+    assert "FAIL  a bar: x" in captured.out and "SKIP  decode H2O" in captured.out
+    assert ("1 bar(s) failed: a bar" in captured.err) == check

@@ -27,10 +27,10 @@ TABLE = [  # the printed summary's (header, width)
 ]  # fmt: skip
 
 
-def check_bars(rows: list[Row]) -> list[Row]:
+def check_bars(rows: list[Row], defined_at: tuple[int, int] = BAR_SIZE) -> list[Row]:
     """PASS (True) / FAIL (False) / SKIP (None) for each performance bar, at the largest prompt and batch
-    of the sweep and the first thread count (the bars are defined at 4096 tokens, batch 4, default
-    threads; smaller runs say where they measured)."""
+    of the sweep and the first thread count. The speed bars are defined at `defined_at` (4096 tokens, batch 4):
+    a run whose largest shape is another SKIPs them and says why; the KV-bytes bar holds at any shape."""
     sweep = [r for r in rows if r["section"] == "sweep"]
     if not sweep:
         return []
@@ -38,22 +38,25 @@ def check_bars(rows: list[Row]) -> list[Row]:
     sweep = [r for r in sweep if r["threads"] == threads]
     size = (max(r["prompt_len"] for r in sweep), max(r["batch"] for r in sweep))
     at = {r["policy"]: r for r in sweep if (r["prompt_len"], r["batch"]) == size}
-    where = f" at prompt {size[0]}, batch {size[1]}, {threads} threads" + (
-        "" if size == BAR_SIZE else " (bars: 4096 x 4)"
-    )
+    where = f" at prompt {size[0]}, batch {size[1]}, {threads} threads"
+    off = None if size == defined_at else (f"defined at prompt {defined_at[0]} x batch {defined_at[1]}; this run's "
+                                           f"largest is {size[0]} x {size[1]}")  # fmt: skip
+    kv = "KV bytes H2O = budget share of full-sdpa"
     checks = [(name, ours, ref, partial(_ratio_bar, key=key, op=op, limit=limit))
               for name, ours, ref, key, op, limit in RATIO_BARS]  # fmt: skip
-    checks.append(("KV bytes H2O = budget share of full-sdpa", "h2o", DYNAMIC, _kv_bar))
+    checks.append((kv, "h2o", DYNAMIC, _kv_bar))
     checks.append((f"H2O decode step within {ROOFLINE_LIMIT}x of the bandwidth floor", "h2o", "h2o", _roofline_bar))
-    bars = [
-        _bar(name, at.get(ours), at.get(ref), check, f"{ours} and {ref}", where) for name, ours, ref, check in checks
-    ]
+    bars = [dict(bar=name, passed=None, detail=off) if off and name != kv
+            else _bar(name, at.get(ours), at.get(ref), check, f"{ours} and {ref}", where)
+            for name, ours, ref, check in checks]  # fmt: skip
     same = {r["policy"]: r for r in rows if r["section"] == "same_memory"}
     for name, ours, ref, limit in SAME_MEMORY_BARS:
         if ours != SAME_MEMORY_BARS[0][1] and ours not in same:
             continue
         check = partial(_ratio_bar, key="decode_tok_s", op=">=", limit=limit)
-        bars.append(_bar(name, same.get(ours), same.get(ref), check, f"same-memory {ours} and {ref}", ""))
+        needs = f"same-memory {ours} and {ref}"
+        bars.append(dict(bar=name, passed=None, detail=off) if off else _bar(name, same.get(ours), same.get(ref),
+                                                                              check, needs, ""))  # fmt: skip
     return bars
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -96,6 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--out", default=None, help="output directory (default results/bench; results/soak with --soak)")
     add("--profile", action="store_true", help="also write torch.profiler tables of an H2O prefill and decode step")
     add("--no-progress", action="store_true", help="no progress bar")  # fmt: skip
+    add("--check", action="store_true", help="exit 1 when a bar FAILs (a bar defined at another shape SKIPs)")
     add_soak_arguments(parser)
 
 
@@ -151,9 +153,14 @@ def main(args: argparse.Namespace) -> int:
             torch.set_num_threads(args.threads[0])
         paths |= profile_h2o(model, token_ids, budget=args.budget, out_dir=Path(out), **largest)
     print(summary_table(rows))
-    print(format_bars(check_bars(rows)))
+    bars = check_bars(rows)
+    print(format_bars(bars))
     files = ", ".join(sorted(p.name for p in paths.values()))
     print(f"bench: {time.perf_counter() - started:.0f} s; wrote {files} to {out}")
+    failed = [b["bar"] for b in bars if b["passed"] is False]
+    if args.check and failed:  # --check: a failed bar is a failed run (SKIP is not)
+        print(f"bench: {len(failed)} bar(s) failed: {'; '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 

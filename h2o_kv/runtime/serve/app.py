@@ -9,10 +9,11 @@ cancels its request, which frees its rows at the engine's next step.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -79,8 +80,10 @@ def _validation_error(err: RequestValidationError) -> ApiError:
     return ApiError(400, f"{'.'.join(loc)}: {message}", param=loc[0], code=kind)
 
 
-def create_app(engine, model_name: str, *, tokenizer=None, manage_engine: bool = True) -> FastAPI:
-    """An app serving `engine` under `model_name`.
+def create_app(engine, model_name: str, *, tokenizer=None, manage_engine: bool = True,
+               api_keys: Sequence[str] = ()) -> FastAPI:  # fmt: skip
+    """An app serving `engine` under `model_name`; with `api_keys`, every route but /health needs
+    `Authorization: Bearer KEY` with one of them (401 otherwise).
 
     With `manage_engine` the app starts the engine's thread on startup and shuts it down (ending
     whatever still runs) on shutdown; uvicorn's graceful shutdown lets open streams finish first.
@@ -99,6 +102,17 @@ def create_app(engine, model_name: str, *, tokenizer=None, manage_engine: bool =
 
     app = FastAPI(title="h2o-kv", lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.draining = engine, metrics, False
+
+    keys = [key.encode() for key in api_keys]
+
+    @app.middleware("http")
+    async def require_a_key(request: Request, call_next):
+        if keys and request.url.path != "/health" and not _key_matches(request.headers.get("authorization"), keys):
+            metrics.rejected.labels("401").inc()
+            error = ApiError(401, "missing or wrong API key: send the header Authorization: Bearer <key>",
+                             code="invalid_api_key")  # fmt: skip
+            return _error_response(error)
+        return await call_next(request)
 
     @app.middleware("http")
     async def refuse_while_draining(request: Request, call_next):
@@ -210,6 +224,17 @@ def create_app(engine, model_name: str, *, tokenizer=None, manage_engine: bool =
         return JSONResponse(reply, headers=warned)
 
     return app
+
+
+def _key_matches(header: str | None, keys: list[bytes]) -> bool:
+    """Whether an Authorization header carries one of `keys`: every key compared in constant time, none skipped,
+    so the time says nothing about which key or how much of it matched."""
+    scheme, _, given = (header or "").partition(" ")
+    given_bytes = given.strip().encode()
+    matched = False
+    for key in keys:
+        matched |= hmac.compare_digest(given_bytes, key)
+    return scheme.lower() == "bearer" and matched
 
 
 def _vocab_size(engine, tokenizer) -> int:

@@ -7,7 +7,9 @@ extra; FastAPI and uvicorn are imported when the command runs.
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import sys
 from pathlib import Path
 
 from h2o_kv import policies
@@ -57,11 +59,20 @@ def engine_settings(args: argparse.Namespace) -> dict:
     )
 
 
+def api_keys(args: argparse.Namespace) -> list[str]:
+    """The keys from --api-key (repeatable) and H2O_KV_API_KEY (comma-separated); an empty key is refused."""
+    keys = list(args.api_key or []) + [k for k in os.environ.get("H2O_KV_API_KEY", "").split(",") if k.strip()]
+    if any(not key.strip() or key != key.strip() for key in keys):
+        raise ValueError("an API key must be non-empty, without spaces at its ends")
+    return keys
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if not 0 <= args.drain_timeout < float("inf"):  # also refuses nan
         raise ValueError(f"--drain-timeout must be a number of seconds >= 0, got {args.drain_timeout}")
+    keys = api_keys(args)
     settings = engine_settings(args)
     try:
         from h2o_kv.runtime.serve.app import create_app
@@ -73,7 +84,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     model, tokenizer = load_model(args.model, device=args.device)
     engine = Engine(model, tokenizer, **settings)
-    app = create_app(engine, args.served_model_name or served_name(args.model))
+    if not keys and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"h2o-kv serve: warning: serving on {args.host} with no API key: anyone who reaches the port can use "
+              "the model (--api-key or H2O_KV_API_KEY)", file=sys.stderr)  # fmt: skip
+    app = create_app(engine, args.served_model_name or served_name(args.model), api_keys=keys)
     Server.for_app(app, engine, host=args.host, port=args.port, drain_timeout=args.drain_timeout,
                    log_level=args.log_level).run()  # fmt: skip
     return 0
@@ -113,6 +127,9 @@ def add_parser(sub) -> None:
         "--prefill-chunk", type=int, default=256, help="prompt tokens per prefill step between decode steps"
     )
     serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--api-key", action="append", metavar="KEY",
+                       help="require Authorization: Bearer KEY on every route but /health (repeat for several keys; "
+                       "also H2O_KV_API_KEY, comma-separated)")  # fmt: skip
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
         "--drain-timeout", type=float, default=30.0, help="on SIGTERM, seconds in-flight requests may finish"

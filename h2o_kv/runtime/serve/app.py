@@ -24,7 +24,15 @@ from starlette.exceptions import HTTPException
 from h2o_kv.runtime.generation import Sampling
 from h2o_kv.runtime.serve import schemas
 from h2o_kv.runtime.serve.metrics import CONTENT_TYPE, ServerMetrics
-from h2o_kv.runtime.serve.requests import ApiError, kv_warning, prompt_ids, resolve, submit_error
+from h2o_kv.runtime.serve.requests import (
+    DEFAULT_LIMITS,
+    ApiError,
+    Limits,
+    kv_warning,
+    prompt_ids,
+    resolve,
+    submit_error,
+)
 
 
 class _Events:
@@ -61,9 +69,9 @@ def _sse(payload: dict | str) -> str:
 
 
 def _error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(
-        status_code=err.status, content=schemas.error_body(err.message, type=err.type, param=err.param, code=err.code)
-    )
+    retry = {"Retry-After": "1"} if err.status == 429 else None  # a full queue: worth retrying in a second
+    body = schemas.error_body(err.message, type=err.type, param=err.param, code=err.code)
+    return JSONResponse(status_code=err.status, content=body, headers=retry)
 
 
 def _validation_error(err: RequestValidationError) -> ApiError:
@@ -81,9 +89,9 @@ def _validation_error(err: RequestValidationError) -> ApiError:
 
 
 def create_app(engine, model_name: str, *, tokenizer=None, manage_engine: bool = True,
-               api_keys: Sequence[str] = ()) -> FastAPI:  # fmt: skip
+               api_keys: Sequence[str] = (), limits: Limits = DEFAULT_LIMITS) -> FastAPI:  # fmt: skip
     """An app serving `engine` under `model_name`; with `api_keys`, every route but /health needs
-    `Authorization: Bearer KEY` with one of them (401 otherwise).
+    `Authorization: Bearer KEY` with one of them (401 otherwise); `limits` bound each request.
 
     With `manage_engine` the app starts the engine's thread on startup and shuts it down (ending
     whatever still runs) on shutdown; uvicorn's graceful shutdown lets open streams finish first.
@@ -111,6 +119,18 @@ def create_app(engine, model_name: str, *, tokenizer=None, manage_engine: bool =
             metrics.rejected.labels("401").inc()
             error = ApiError(401, "missing or wrong API key: send the header Authorization: Bearer <key>",
                              code="invalid_api_key")  # fmt: skip
+            return _error_response(error)
+        return await call_next(request)
+
+    @app.middleware("http")
+    async def bound_the_body(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if request.method == "POST" and length is None:  # a chunked body of unknown size is not read
+            return _error_response(ApiError(411, "send the body with a Content-Length header"))
+        if length is not None and (not length.isdigit() or int(length) > limits.max_body_bytes):
+            metrics.rejected.labels("413").inc()
+            error = ApiError(413, f"the body has {length} bytes; this server takes at most {limits.max_body_bytes} "
+                             "(--max-body)", code="body_too_large")  # fmt: skip
             return _error_response(error)
         return await call_next(request)
 
@@ -186,7 +206,7 @@ def create_app(engine, model_name: str, *, tokenizer=None, manage_engine: bool =
 
     async def _serve(request: Request, body: schemas._Request, ids: list[int], *, chat: bool):
         arrived = time.perf_counter()
-        job = resolve(engine, body, ids)
+        job = resolve(engine, body, ids, limits)
         run = _Run(metrics, arrived)
         events = _Events(run)
         sampling = Sampling(

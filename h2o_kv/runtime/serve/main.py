@@ -67,12 +67,29 @@ def api_keys(args: argparse.Namespace) -> list[str]:
     return keys
 
 
+def request_limits(args: argparse.Namespace):
+    """The per-request bounds from the flags (`requests.Limits`), checked before anything loads."""
+    from h2o_kv.runtime.serve.requests import Limits
+
+    for flag, value in (
+        ("--max-new-tokens", args.max_new_tokens),
+        ("--max-queue", args.max_queue),
+        ("--max-connections", args.max_connections),
+        ("--max-prompt-tokens", args.max_prompt_tokens),
+    ):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    return Limits(max_body_bytes=parse_bytes(args.max_body), max_prompt_tokens=args.max_prompt_tokens,
+                  max_new_tokens=args.max_new_tokens, max_queue=args.max_queue)  # fmt: skip
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if not 0 <= args.drain_timeout < float("inf"):  # also refuses nan
         raise ValueError(f"--drain-timeout must be a number of seconds >= 0, got {args.drain_timeout}")
     keys = api_keys(args)
+    limits = request_limits(args)
     settings = engine_settings(args)
     try:
         from h2o_kv.runtime.serve.app import create_app
@@ -87,9 +104,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not keys and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"h2o-kv serve: warning: serving on {args.host} with no API key: anyone who reaches the port can use "
               "the model (--api-key or H2O_KV_API_KEY)", file=sys.stderr)  # fmt: skip
-    app = create_app(engine, args.served_model_name or served_name(args.model), api_keys=keys)
+    app = create_app(engine, args.served_model_name or served_name(args.model), api_keys=keys, limits=limits)
     Server.for_app(app, engine, host=args.host, port=args.port, drain_timeout=args.drain_timeout,
-                   log_level=args.log_level).run()  # fmt: skip
+                   log_level=args.log_level, max_connections=args.max_connections).run()  # fmt: skip
     return 0
 
 
@@ -127,6 +144,15 @@ def add_parser(sub) -> None:
         "--prefill-chunk", type=int, default=256, help="prompt tokens per prefill step between decode steps"
     )
     serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--max-body", default="1MiB", help="largest request body; larger: 413 (default 1MiB)")
+    serve.add_argument("--max-prompt-tokens", type=int, default=None,
+                       help="largest prompt in tokens; longer: 400 (default: the model's context)")  # fmt: skip
+    serve.add_argument("--max-new-tokens", type=int, default=4096,
+                       help="largest max_tokens a request may ask; more: 400 (default 4096)")  # fmt: skip
+    serve.add_argument("--max-queue", type=int, default=256,
+                       help="requests that may wait for the engine; more: 429, Retry-After (default 256)")  # fmt: skip
+    serve.add_argument("--max-connections", type=int, default=512,
+                       help="open connections at once; more: 503 from uvicorn (default 512)")  # fmt: skip
     serve.add_argument("--api-key", action="append", metavar="KEY",
                        help="require Authorization: Bearer KEY on every route but /health (repeat for several keys; "
                        "also H2O_KV_API_KEY, comma-separated)")  # fmt: skip

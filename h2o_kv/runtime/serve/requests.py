@@ -49,6 +49,21 @@ def _budget(value: str | float | int) -> policies.Budget:
 
 
 @dataclass(frozen=True)
+class Limits:
+    """What one request may ask of the server (each a `serve` flag): its body's bytes (413 beyond), its prompt's
+    tokens and its new tokens (400 beyond; None: the model's context), and how many requests may wait for the
+    engine (429 with Retry-After beyond)."""
+
+    max_body_bytes: int = 1 << 20
+    max_prompt_tokens: int | None = None
+    max_new_tokens: int = 4096
+    max_queue: int = 256
+
+
+DEFAULT_LIMITS = Limits()
+
+
+@dataclass(frozen=True)
 class Job:
     """What one request asks of the engine. policy/budget None: the engine's defaults."""
 
@@ -57,8 +72,9 @@ class Job:
     max_tokens: int
 
 
-def resolve(engine, body, ids: list[int]) -> Job:
-    """Check the request's KV policy, budget and token limit; refusals are ApiErrors naming the field.
+def resolve(engine, body, ids: list[int], limits: Limits = DEFAULT_LIMITS) -> Job:
+    """Check the request's KV policy, budget and token limits (the model's context and the server's `limits`);
+    refusals are ApiErrors naming the field.
 
     The policy is resolved as the engine will (`engine.resolve_policy`: the server's defaults,
     overridden by kv_policy and kv_budget), so a request the engine would refuse is refused here.
@@ -74,14 +90,23 @@ def resolve(engine, body, ids: list[int]) -> Job:
     except (ValueError, TypeError) as err:
         param = "kv_policy" if str(err).startswith("unknown policy") else "kv_budget"
         raise ApiError(400, f"{param}: {err}", param=param) from None
+    if limits.max_prompt_tokens is not None and len(ids) > limits.max_prompt_tokens:
+        raise ApiError(400, f"the prompt has {len(ids)} tokens; this server takes at most {limits.max_prompt_tokens} "
+                       "(--max-prompt-tokens)", param="prompt", code="prompt_too_long")  # fmt: skip
     context = engine.context_limit
     limit = body.token_limit()
     if limit is None:
-        limit = max(1, context - len(ids))
+        limit = max(1, min(context - len(ids), limits.max_new_tokens))
     elif limit > context:
         raise ApiError(
             400, f"max_tokens {limit} is more than the model's context of {context} tokens", param="max_tokens"
         )
+    elif limit > limits.max_new_tokens:
+        raise ApiError(400, f"max_tokens {limit} is more than this server's cap of {limits.max_new_tokens} "
+                       "(--max-new-tokens)", param="max_tokens")  # fmt: skip
+    if engine.stats()["waiting"] >= limits.max_queue:
+        raise ApiError(429, f"{limits.max_queue} requests are already waiting (--max-queue): retry shortly",
+                       type="server_error", code="queue_full")  # fmt: skip
     return Job(policy=body.kv_policy, budget=budget, max_tokens=limit)
 
 

@@ -24,11 +24,10 @@ class Server(uvicorn.Server):
 
     @classmethod
     def for_app(cls, app, engine, *, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = 30.0,
-                log_level: str = "info") -> Server:  # fmt: skip
+                log_level: str = "info", max_connections: int | None = None) -> Server:  # fmt: skip
         # uvicorn waits a little longer than the engine, so the engine's clean ending comes first
-        config = uvicorn.Config(
-            app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout + 5
-        )
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, limit_concurrency=max_connections,
+                                timeout_graceful_shutdown=drain_timeout + 5)  # fmt: skip
         return cls(config, engine, drain_timeout)
 
     async def shutdown(self, sockets=None) -> None:

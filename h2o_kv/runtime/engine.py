@@ -262,7 +262,9 @@ class Engine:
         if done + len(ids) < request.prompt_tokens:
             return
         self._prefill.popleft()
-        token = sample(logits[0], request.sampling, request.generator)
+        token = self._sample(request, logits[0])
+        if token is None:
+            return
         if self._push(request, token):
             _record(request, cache, 0)
             return
@@ -287,15 +289,22 @@ class Engine:
                 continue
             self._note_peaks()
             greedy = logits.argmax(-1).tolist()
-            finished = [
-                self._push(r, greedy[i] if r.sampling.greedy else sample(logits[i], r.sampling, r.generator))
-                for i, r in enumerate(rows)
-            ]
+            tokens = [greedy[i] if r.sampling.greedy else self._sample(r, logits[i]) for i, r in enumerate(rows)]
+            finished = [token is None or self._push(r, token) for r, token in zip(rows, tokens)]
             if any(finished):
                 for i, gone in enumerate(finished):
-                    if gone:
+                    if gone and tokens[i] is not None:
                         _record(rows[i], cache, i)
                 self._leave(policy, [i for i, gone in enumerate(finished) if not gone])
+
+    def _sample(self, request: Request, logits: torch.Tensor) -> int | None:
+        """The request's next token from its logits [V]; None when sampling fails (the request ends with the error,
+        everyone else goes on: one request's settings never stop the engine)."""
+        try:
+            return sample(logits, request.sampling, request.generator)
+        except Exception as err:
+            self._finish(request, "error", f"{type(err).__name__}: {err}")
+            return None
 
     def _push(self, request: Request, token: int) -> bool:
         self.generated_tokens += 1

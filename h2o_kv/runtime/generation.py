@@ -121,7 +121,8 @@ def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator 
     probs = torch.softmax(logits / sampling.temperature, dim=-1)
     if sampling.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
-        outside = sorted_probs.cumsum(-1) - sorted_probs >= sampling.top_p  # keep the first token always
+        outside = sorted_probs.cumsum(-1) - sorted_probs >= sampling.top_p
+        outside[0] = False  # the most likely token always stays (a top_p below float32's range would mask it too)
         probs = probs.scatter(0, order, sorted_probs.masked_fill(outside, 0.0))
     return int(torch.multinomial(probs, 1, generator=generator))
 

@@ -213,3 +213,39 @@ def test_int8_storage_batches_like_solo_and_stays_within_its_admission_size():
     assert engine.kv_bytes_for(100, 8) < 0.5 * float32.kv_bytes_for(100, 8)
     with pytest.raises(ValueError, match="kv_dtype"):
         Engine(make_model("llama"), make_tokenizer(), kv_dtype="int4")
+
+
+def test_a_top_p_below_float32s_range_keeps_the_most_likely_token():
+    """top_p=5e-324 (found by the server's fuzzer) once masked every token and crashed the sampler."""
+    from h2o_kv.runtime.generation import sample
+
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(0))
+    assert sample(logits, Sampling(temperature=1.0, top_p=5e-324)) == int(logits.argmax())
+
+
+def test_a_request_whose_sampling_fails_ends_with_its_error_and_the_engine_goes_on(engine, monkeypatch):
+    """A sampler error (here forced for one request's settings) fails that request only: the others, in the same
+    decode batch and after it, finish as if it had never been there."""
+    from h2o_kv.runtime import engine as engine_module
+
+    real = engine_module.sample
+
+    def failing(logits, sampling, generator=None):
+        if sampling.temperature == 0.5:
+            raise RuntimeError("invalid multinomial distribution")
+        return real(logits, sampling, generator)
+
+    monkeypatch.setattr(engine_module, "sample", failing)
+    ids = random_ids(1, 12)[0].tolist()
+    alone = engine.submit(ids, max_tokens=6)
+    engine.run()
+    bad = engine.submit(ids, max_tokens=6, sampling=Sampling(temperature=0.5))
+    good = engine.submit(ids, max_tokens=6)
+    engine.run()
+    with pytest.raises(RuntimeError, match="failed: RuntimeError: invalid multinomial distribution"):
+        bad.result()
+    assert good.result().token_ids == alone.result().token_ids
+    after = engine.submit(ids, max_tokens=6)
+    engine.run()
+    assert after.result().token_ids == alone.result().token_ids
+    assert engine.kv_bytes_in_use() == 0

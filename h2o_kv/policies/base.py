@@ -125,9 +125,12 @@ def ratio_of(ratio: float, prompt_len: torch.Tensor) -> torch.Tensor:
     return torch.floor(prompt_len.to(torch.float64) * float(ratio)).to(torch.int64)
 
 
-def check_size(name: str, value: int | float | None) -> None:
-    """A budget field: an int token count >= 1, or a float fraction of the prompt in (0, 1]."""
+def check_size(name: str, value: int | float | None, required_by: str | None = None) -> None:
+    """A budget field: an int token count >= 1, or a float fraction of the prompt in (0, 1]; None is refused when
+    policy `required_by` needs the field, else left alone."""
     if value is None:
+        if required_by is not None:
+            raise ValueError(f"{required_by} needs a {name}: tokens (64) or a fraction of the prompt (0.2)")
         return
     if isinstance(value, float):
         if not 0.0 < value <= 1.0:  # also rejects nan and inf

@@ -16,9 +16,7 @@ class Local(Policy):
     window: int | float
 
     def __post_init__(self) -> None:
-        if self.window is None:
-            raise ValueError("Local needs a window: tokens (64) or a fraction of the prompt (0.2)")
-        check_size("window", self.window)
+        check_size("window", self.window, required_by="Local")
 
     def capacity(self, prompt_len: torch.Tensor) -> torch.Tensor | None:
         return tokens_of(self.window, prompt_len)

@@ -17,9 +17,7 @@ class TOVA(Policy):
     needs_last = True
 
     def __post_init__(self) -> None:
-        if self.budget is None:
-            raise ValueError("TOVA needs a budget: tokens (64) or a fraction of the prompt (0.2)")
-        check_size("budget", self.budget)
+        check_size("budget", self.budget, required_by="TOVA")
 
     def capacity(self, prompt_len: torch.Tensor) -> torch.Tensor | None:
         return tokens_of(self.budget, prompt_len)

@@ -6,7 +6,9 @@ one again (`_evict_one`: the oldest of its lowest priorities), with none of the 
 chunk or a growing storage needs (`_decode_full`). On a CPU with h2o-kv's C++ kernels, and a policy whose
 priority is its score with the newest tokens kept (`Policy.protected_recent`: H2O, SnapKV), the whole step
 is one C++ pass per row (`native.decode_step`): the same operations in the same order, without a kernel
-launch, a temporary tensor or a Python call per operation. `pooled.PooledKVLayer` has its own
+launch, a temporary tensor or a Python call per operation. Where the Triton kernels run (a GPU) and every slot
+holds a token, the same policies' step after the new token's write is `triton_decode.decode_evict`: attention,
+scores and each row's eviction in three launches. `pooled.PooledKVLayer` has its own
 `_decode_full` for a head-pooled row and shares `_attend_steady` and `_ranked_in_kernel`.
 """
 

@@ -33,6 +33,12 @@ def _post(url, **body):
     return httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hello", **body}, timeout=60)
 
 
+def test_the_limits_are_in_the_metrics(served):
+    _, url = served
+    for name, value in (("max_body_bytes", 2048), ("max_prompt_tokens", 40), ("max_new_tokens", 900), ("max_queue", 1)):
+        assert metric(url, "h2o_kv_request_limit", {"limit": name}) == value
+
+
 def test_a_body_over_the_limit_gets_413(served):
     engine, url = served
     before = metric(url, "h2o_kv_requests_rejected_total", {"status": "413"})

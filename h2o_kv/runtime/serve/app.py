@@ -9,6 +9,7 @@ cancels its request, which frees its rows at the engine's next step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import re
@@ -97,7 +98,9 @@ def create_app(engine, model_name: str, *, tokenizer=None, manage_engine: bool =
     whatever still runs) on shutdown; uvicorn's graceful shutdown lets open streams finish first.
     """
     tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
-    metrics = ServerMetrics(engine)
+    metrics = ServerMetrics(
+        engine, {name: value for name, value in dataclasses.asdict(limits).items() if value is not None}
+    )
     created = int(time.time())
 
     @asynccontextmanager

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -51,8 +51,12 @@ class _EngineCollector:
 class ServerMetrics:
     """The metrics of one app: engine state plus request timings and outcomes."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, limits: dict[str, float] | None = None) -> None:
         self.registry = CollectorRegistry()
+        bounds = Gauge(f"{PREFIX}_request_limit", "Each per-request bound the server enforces (its serve flag)",
+                       ["limit"], registry=self.registry)  # fmt: skip
+        for name, value in (limits or {}).items():
+            bounds.labels(name).set(value)
         self.registry.register(_EngineCollector(engine))
         self.ttft = Histogram(
             f"{PREFIX}_time_to_first_token_seconds",

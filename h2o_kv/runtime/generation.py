@@ -118,7 +118,10 @@ def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator 
     """The next token of one row from its logits [V]."""
     if sampling.greedy:
         return int(logits.argmax())
-    probs = torch.softmax(logits / sampling.temperature, dim=-1)
+    # in float64 with the max subtracted first: any temperature > 0 a request may give (1e-300 underflows to 0 in
+    # float32) then yields 0 and -inf, never 0 / 0 or inf / inf (NaN probabilities)
+    logits = logits.double()
+    probs = torch.softmax((logits - logits.max()) / sampling.temperature, dim=-1)
     if sampling.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         outside = sorted_probs.cumsum(-1) - sorted_probs >= sampling.top_p

@@ -221,6 +221,8 @@ def test_a_top_p_below_float32s_range_keeps_the_most_likely_token():
 
     logits = torch.randn(300, generator=torch.Generator().manual_seed(0))
     assert sample(logits, Sampling(temperature=1.0, top_p=5e-324)) == int(logits.argmax())
+    # a temperature near 0 (also the fuzzer's): logits / t overflowed to inf, and softmax gave NaN probabilities
+    assert sample(logits * 1e4, Sampling(temperature=1e-300)) == int(logits.argmax())
 
 
 def test_a_request_whose_sampling_fails_ends_with_its_error_and_the_engine_goes_on(engine, monkeypatch):

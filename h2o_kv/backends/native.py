@@ -21,10 +21,10 @@ or read memory slower, than needed.
   batched products at its shapes run at about half SDPA's speed.
 
 They are built at the first prompt or decode step that needs them on a CPU, with torch's extension builder (ninja
-and a C++ compiler; once per machine, then loaded from torch's extension cache, `TORCH_EXTENSIONS_DIR`,
-`build_folder`), for this machine's vector width (torch's `get_cpu_capability`: AVX-512 or AVX2), and registered
-as `torch.ops.h2o_kv.*`. `KVCache` takes `compile_kernel` (`resolve`): None uses them where
-they can be built (`missing()`), False keeps torch's path, True requires them.
+and a C++ compiler; once per source version and machine, then loaded from torch's extension cache,
+`TORCH_EXTENSIONS_DIR`, `build_folder`), for this machine's vector width (torch's `get_cpu_capability`: AVX-512
+or AVX2), and registered as `torch.ops.h2o_kv.*`. `KVCache` takes `compile_kernel` (`resolve`): None uses them
+where they can be built (`missing()`), False keeps torch's path, True requires them.
 """
 
 from __future__ import annotations
@@ -138,10 +138,10 @@ def _heartbeat(
         yield
         return
     print(f"h2o-kv: {message}", file=sys.stderr, flush=True)
-    done, start = threading.Event(), time.monotonic()
+    stop, start = threading.Event(), time.monotonic()
 
     def beat() -> None:
-        while not done.wait(every):
+        while not stop.wait(every):
             print(f"h2o-kv: still {doing} ({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)
 
     thread = threading.Thread(target=beat, daemon=True)
@@ -149,7 +149,7 @@ def _heartbeat(
     try:
         yield
     finally:
-        done.set()
+        stop.set()
         thread.join()
         print(f"h2o-kv: {done} in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
 

@@ -287,3 +287,16 @@ def test_native_prompt_kernel_gives_a_sequence_the_same_numbers_alone_as_in_a_ba
                                      pos[row : row + 1], qpos[row : row + 1], **options)  # fmt: skip
         for a, b in zip(alone, together):
             assert torch.equal(a[0], b[row])
+
+
+def test_a_build_says_it_starts_beats_and_ends(capsys):
+    """The lines a build (or a wait for another process's build) prints on stderr: a start, a heartbeat while it
+    lasts, and the end with its time, in the caller's words."""
+    import time
+
+    with h2o_kv.backends.native._heartbeat("waiting for X", "waiting", "the other process finished", every=0.05):
+        time.sleep(0.12)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "h2o-kv: waiting for X"
+    assert lines[1].startswith("h2o-kv: still waiting (")
+    assert lines[-1].startswith("h2o-kv: the other process finished in ") and lines[-1].endswith(" s")

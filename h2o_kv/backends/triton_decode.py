@@ -1,4 +1,4 @@
-"""A decode step's attention over a layer's slots in two Triton kernels, with what the policies need.
+"""A decode step's attention over a layer's slots in Triton kernels, with what the policies need.
 
 For one new query per (sequence, query head) over the slots of its KV head, `decode_attend` returns the
 attention output and, per slot, the probability summed over the query heads of the KV group (H2O, SnapKV and
@@ -11,11 +11,11 @@ scaled logits (one float per query head and slot, a small fraction of the bytes 
 short program per tile of slots, merges the splits into the output and the row's log-sum-exp, and turns its
 tile's logits into probabilities.
 
-`decode_evict` is a full layer's whole steady step for a policy that ranks by score with the newest tokens
-protected (H2O, SnapKV): the second kernel adds the probabilities to the scores in place and leaves each tile's
-eviction candidate, and a third picks each row's victim and frees its slot, so the step's eviction is two
-launches rather than a dozen small torch kernels. Shapes depend only on the storage, so a steady decode step
-replays in a CUDA graph.
+`decode_evict` is the rest of a full layer's steady step, after the new token's write, for a policy that ranks
+by score with the newest tokens protected (H2O, SnapKV): the second kernel adds the probabilities to the scores in
+place and leaves each tile's eviction candidate, and a third picks each row's victim and frees its slot, so the
+step's eviction is two launches rather than a dozen small torch kernels. Shapes depend only on the storage, so a
+steady decode step replays in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -87,6 +87,17 @@ def _partial(Q, K, V, KS, VS, POS, LOGITS, M, L, ACC,
     tl.store(ACC + row[:, None] * DV + dv[None, :], acc)
 
 
+NEVER: tl.constexpr = 9223372036854775807  # int64 max: a lane past the row's end never wins
+
+
+@triton.jit
+def _oldest_lowest(prio, pos, slot):
+    """The oldest of the lowest priorities among the lanes (ties: the smallest slot): (priority, position, slot)."""
+    low = tl.min(prio, 0)
+    oldest = tl.min(tl.where(prio == low, pos, NEVER), 0)
+    return low, oldest, tl.min(tl.where((prio == low) & (pos == oldest), slot, NEVER), 0)
+
+
 @triton.jit
 def _merge(M, L, ACC, LOGITS, OUT, SCORE, LAST, POS, NEXT, RECENT, CP, CPOS, CSLOT,
            sob, soh, scb, sch, slb, slh, spb, sph,
@@ -128,13 +139,10 @@ def _merge(M, L, ACC, LOGITS, OUT, SCORE, LAST, POS, NEXT, RECENT, CP, CPOS, CSL
         if EVICT:
             score = tl.load(SCORE + b * scb + h * sch + s, mask=inside, other=0.0) + col
             tl.store(SCORE + b * scb + h * sch + s, score, mask=inside)
-            never = 9223372036854775807  # int64 max: lanes past the row never win
-            p = tl.load(POS + b * spb + h * sph + s, mask=inside, other=never)
+            p = tl.load(POS + b * spb + h * sph + s, mask=inside, other=NEVER)
             protected = p >= tl.load(NEXT + b) - tl.load(RECENT + b)
             prio = tl.where(protected | ~inside, float("inf"), score)
-            low = tl.min(prio, 0)
-            oldest = tl.min(tl.where(prio == low, p, never), 0)
-            slot = tl.min(tl.where((prio == low) & (p == oldest), s.to(tl.int64), never), 0)
+            low, oldest, slot = _oldest_lowest(prio, p, s.to(tl.int64))
             tl.store(CP + bh * tiles + tile, low)
             tl.store(CPOS + bh * tiles + tile, oldest)
             tl.store(CSLOT + bh * tiles + tile, slot)
@@ -153,13 +161,10 @@ def _pick(CP, CPOS, CSLOT, POS, SCORE, VACANT, spb, sph, scb, sch, svb, svh, hea
     b, h = bh // heads, bh % heads
     t = tl.arange(0, T_PAD)
     inside = t < tiles
-    never = 9223372036854775807
     prio = tl.load(CP + bh * tiles + t, mask=inside, other=float("inf"))
-    p = tl.load(CPOS + bh * tiles + t, mask=inside, other=never)
-    slots = tl.load(CSLOT + bh * tiles + t, mask=inside, other=never)
-    low = tl.min(prio, 0)
-    oldest = tl.min(tl.where(prio == low, p, never), 0)
-    slot = tl.min(tl.where((prio == low) & (p == oldest), slots, never), 0)
+    p = tl.load(CPOS + bh * tiles + t, mask=inside, other=NEVER)
+    slots = tl.load(CSLOT + bh * tiles + t, mask=inside, other=NEVER)
+    _, _, slot = _oldest_lowest(prio, p, slots)
     tl.store(POS + b * spb + h * sph + slot, -1)
     tl.store(SCORE + b * scb + h * sch + slot, 0.0)
     tl.store(VACANT + b * svb + h * svh, slot)

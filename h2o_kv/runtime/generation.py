@@ -118,14 +118,13 @@ def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator 
     """The next token of one row from its logits [V]."""
     if sampling.greedy:
         return int(logits.argmax())
-    # in float64 with the max subtracted first: any temperature > 0 a request may give (1e-300 underflows to 0 in
-    # float32) then yields 0 and -inf, never 0 / 0 or inf / inf (NaN probabilities)
+    # in float64 with the max subtracted first: any temperature or top_p > 0 a request may give (1e-300 and 5e-324
+    # are 0 in float32) then yields 0 and -inf, never 0 / 0 (NaN probabilities), and the most likely token stays
     logits = logits.double()
     probs = torch.softmax((logits - logits.max()) / sampling.temperature, dim=-1)
     if sampling.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
-        outside = sorted_probs.cumsum(-1) - sorted_probs >= sampling.top_p
-        outside[0] = False  # the most likely token always stays (a top_p below float32's range would mask it too)
+        outside = sorted_probs.cumsum(-1) - sorted_probs >= sampling.top_p  # the first: 0, never >= top_p > 0
         probs = probs.scatter(0, order, sorted_probs.masked_fill(outside, 0.0))
     return int(torch.multinomial(probs, 1, generator=generator))
 

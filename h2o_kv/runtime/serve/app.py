@@ -29,7 +29,6 @@ from h2o_kv.runtime.serve.requests import (
     DEFAULT_LIMITS,
     ApiError,
     Limits,
-    kv_warning,
     prompt_ids,
     resolve,
     submit_error,
@@ -230,7 +229,7 @@ def create_app(engine, model_name: str, *, tokenizer=None, manage_engine: bool =
         metrics.prompt_tokens.inc(len(ids))
         rid = schemas.new_id("chatcmpl" if chat else "cmpl")
         run.req = req
-        warning = kv_warning(engine.resolve_policy(job.policy, job.budget), len(ids))
+        warning = job.warning
         warned = {} if warning is None else {"X-KV-Warning": warning}
         if body.stream:
             stream = _stream(run, events, rid, model_name, chat=chat, include_usage=body.include_usage)

@@ -65,11 +65,13 @@ DEFAULT_LIMITS = Limits()
 
 @dataclass(frozen=True)
 class Job:
-    """What one request asks of the engine. policy/budget None: the engine's defaults."""
+    """What one request asks of the engine (policy/budget None: the engine's defaults), and the reply's
+    `kv_warning` when its budget keeps very few tokens of its prompt."""
 
     policy: str | None
     budget: policies.Budget
     max_tokens: int
+    warning: str | None = None
 
 
 def resolve(engine, body, ids: list[int], limits: Limits = DEFAULT_LIMITS) -> Job:
@@ -86,7 +88,7 @@ def resolve(engine, body, ids: list[int], limits: Limits = DEFAULT_LIMITS) -> Jo
         except (ValueError, TypeError) as err:
             raise ApiError(400, f"kv_budget: {err}", param="kv_budget") from None
     try:
-        engine.resolve_policy(body.kv_policy, budget)
+        policy = engine.resolve_policy(body.kv_policy, budget)
     except (ValueError, TypeError) as err:
         param = "kv_policy" if str(err).startswith("unknown policy") else "kv_budget"
         raise ApiError(400, f"{param}: {err}", param=param) from None
@@ -107,10 +109,10 @@ def resolve(engine, body, ids: list[int], limits: Limits = DEFAULT_LIMITS) -> Jo
     if engine.stats()["waiting"] >= limits.max_queue:
         raise ApiError(429, f"{limits.max_queue} requests are already waiting (--max-queue): retry shortly",
                        type="server_error", code="queue_full")  # fmt: skip
-    return Job(policy=body.kv_policy, budget=budget, max_tokens=limit)
+    return Job(policy=body.kv_policy, budget=budget, max_tokens=limit, warning=_kv_warning(policy, len(ids)))
 
 
-def kv_warning(policy: policies.Policy, prompt_len: int) -> str | None:
+def _kv_warning(policy: policies.Policy, prompt_len: int) -> str | None:
     """`policies.short_fraction`'s warning for a request whose policy, sized as a fraction of the prompt, keeps
     very few tokens of this prompt (the response says it in `kv_warning` and the X-KV-Warning header)."""
     if not policy.fraction_of_prompt():

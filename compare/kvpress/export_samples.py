@@ -51,8 +51,8 @@ def samples_for(tokenizer, haystack: str, task: str, context: int, n: int, seed:
 
 
 def export(args: argparse.Namespace) -> None:
-    model, tokenizer = load_model(BUNDLED_NAME, enable_h2o=False)
-    model_dir = cache_dir() / "models" / BUNDLED_NAME
+    model, tokenizer = load_model(args.model, enable_h2o=False)
+    model_dir = cache_dir() / "models" / args.model
     haystack = load_corpus(args.corpus, max_chars=2_000_000)
     budgets = [float(b) for b in args.budgets.split(",")]
     lines = []
@@ -108,6 +108,7 @@ def check(results_path: str, samples_path: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="compare/kvpress/samples.jsonl")
+    p.add_argument("--model", default=BUNDLED_NAME, help="a bundled model (kvpress loads its converted folder)")
     p.add_argument("--tasks", default="niah_single,passkey,variable_tracking")
     p.add_argument("--contexts", default="1024,2048")
     p.add_argument("--n", type=int, default=20, help="samples per (task, context length)")

@@ -66,7 +66,7 @@ class Engine:
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.context_limit = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
         self._count = SlotCount(config, model.dtype, kv_dtype, mode, prefill_chunk)
-        self.eos = _eos_ids(model, tokenizer)
+        self.eos = eos_ids(model, tokenizer)
         self._lock = threading.Condition()  # guards the waiting queue (submit never waits for a step)
         self._state = threading.Lock()  # held by a step while it changes the batches; stats() reads under it
         self._waiting: deque[Request] = deque()  # submitted, not admitted
@@ -381,7 +381,8 @@ def _record(request: Request, cache: KVCache, row: int) -> None:
     }
 
 
-def _eos_ids(model, tokenizer) -> set[int]:
+def eos_ids(model, tokenizer) -> set[int]:
+    """The token ids that end a sequence: the model's generation config's and the tokenizer's."""
     ids: set[int] = set()
     for value in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
         if isinstance(value, int):

@@ -133,14 +133,27 @@ def greedy_ids(
     model, cache: Cache, prompt_ids: list[int], max_new_tokens: int, eos: set[int] = frozenset()
 ) -> list[int]:
     """Greedy continuation of one prompt (batch 1), stopping at an `eos` token (kept) or the limit."""
+    logits = prefill(model, cache, torch.tensor([prompt_ids], device=model.device))
+    return greedy_continue(model, cache, logits, len(prompt_ids), max_new_tokens, eos)
+
+
+def greedy_continue(
+    model,
+    cache: Cache,
+    logits: torch.Tensor,
+    position: int,
+    max_new_tokens: int,
+    eos: set[int] = frozenset(),
+    done=None,
+) -> list[int]:
+    """Greedy tokens of one sequence (batch 1) from its next-token `logits` [1, V], the next token at absolute
+    `position`: stops at an `eos` token (kept), at the limit, or once `done(tokens)` says the answer is complete."""
     device = model.device
-    logits = prefill(model, cache, torch.tensor([prompt_ids], device=device))
     out: list[int] = []
-    position = len(prompt_ids)
     while len(out) < max_new_tokens:
         token = int(logits[0].argmax())
         out.append(token)
-        if token in eos or len(out) == max_new_tokens:
+        if token in eos or len(out) == max_new_tokens or (done is not None and done(out)):
             break
         logits = decode_step(
             model, cache, torch.tensor([token], device=device), torch.tensor([position], device=device)

@@ -37,28 +37,46 @@ class Cells:
         self.root, self.identity, self.resume = root, identity, resume
         self.ran = self.reused = 0
 
-    def get(self, name: dict[str, Any], compute: Callable[[], list[dict]], progress: Any = None) -> list[dict]:
-        """The cell's rows: stored ones when resuming and the key matches, else `compute()` (then stored).
-        `progress` (a tqdm bar) advances by one for a reused cell, as `compute` advances it for a run one."""
-        if self.root is None:
-            self.ran += 1
-            return compute()
+    def _path(self, name: dict[str, Any]) -> tuple[str, Path]:
+        assert self.root is not None
         key = json.dumps({**self.identity, **name}, sort_keys=True, default=str)
-        path = self.root / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
-        if self.resume and path.is_file():
-            try:
-                stored = json.loads(path.read_text())
-            except (json.JSONDecodeError, UnicodeDecodeError) as err:
-                raise ValueError(f"stored eval cell {path} is unreadable ({err}); delete it and run again") from None
-            if stored.get("key") == key:
-                self.reused += 1
-                if progress is not None:
-                    progress.update(1)
-                return stored["rows"]
-        rows = compute()
+        return key, self.root / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+
+    def stored(self, name: dict[str, Any]) -> list[dict] | None:
+        """The cell's stored rows when resuming and its key matches exactly, else None."""
+        if self.root is None or not self.resume:
+            return None
+        key, path = self._path(name)
+        if not path.is_file():
+            return None
+        try:
+            stored = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"stored eval cell {path} is unreadable ({err}); delete it and run again") from None
+        if stored.get("key") != key:
+            return None
+        self.reused += 1
+        return stored["rows"]
+
+    def put(self, name: dict[str, Any], rows: list[dict]) -> None:
+        """Store a computed cell (nothing without a root)."""
+        self.ran += 1
+        if self.root is None:
+            return
+        key, path = self._path(name)
         self.root.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".part")
         partial.write_text(json.dumps({"key": key, "rows": rows}))
         os.replace(partial, path)  # whole or absent: an interrupted write leaves no half cell
-        self.ran += 1
+
+    def get(self, name: dict[str, Any], compute: Callable[[], list[dict]], progress: Any = None) -> list[dict]:
+        """The cell's rows: stored ones when resuming and the key matches, else `compute()` (then stored).
+        `progress` (a tqdm bar) advances by one for a reused cell, as `compute` advances it for a run one."""
+        rows = self.stored(name)
+        if rows is not None:
+            if progress is not None:
+                progress.update(1)
+            return rows
+        rows = compute()
+        self.put(name, rows)
         return rows

@@ -55,13 +55,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=sorted(SIZES),
         help="tiny: a first look in under a minute; small: minutes on a CPU; large: the fuller protocol; niah: "
         "needle retrieval, 20 samples per context; ruler: passkey and variable tracking, 20 samples (the kvpress "
-        "side by side's)",
+        "side by side's); qwen: the real-model study (needle, passkey, variable tracking at 4k and 2k, 20 samples; "
+        "perplexity over 2k windows), for --model qwen2.5-coder-0.5b",
     )
     add("--mode", default="drop", choices=["drop", "mask"], help="drop frees evicted tokens (faster, same numbers)")
     add("--corpus", default=None, help="text file, directory of *.txt or HF dataset name[:config][:split]")
     add("--data", default=None, help="JSONL with fields document and summary (for --tasks summarize)")
     add("--chunk", type=int, default=None, help="tokens fed between evictions when streaming (1: token by token)")
     add("--contexts", default=None, help="retrieval context lengths, e.g. 1024,2048 (default: the size's)")
+    add("--retrieval-tasks", default=None, help="retrieval tasks, e.g. niah_single,passkey (default: the size's)")
     add("--prefills", default=None, help="retrieval prefill settings: oneshot,stream (default: the size's)")
     add("--windows", type=int, default=None, help="perplexity text windows (default: the size's)")
     add(
@@ -92,6 +94,9 @@ def main(args: argparse.Namespace) -> int:
     if not extra_installed("eval", "eval", ("matplotlib", "tqdm")):
         return 2
     check_eval(_list(args.tasks), _list(args.policies), args.data)  # bad names: one line, before torch loads
+    tasks = _subtasks(args.retrieval_tasks)
+    size = SIZES[args.size].with_contexts(_contexts(args.contexts), _prefills(args.prefills), tasks)
+    size = size.with_windows(args.windows)
     if args.out is None:  # a new folder per run: a first try never overwrites the committed results/eval
         args.out = f"eval-runs/{args.size}-{time.strftime('%Y%m%d-%H%M%S')}"
     import torch
@@ -99,7 +104,6 @@ def main(args: argparse.Namespace) -> int:
     from h2o_kv.runtime.models import load_model
     from h2o_kv.studies.eval.run import run_eval
 
-    size = SIZES[args.size].with_contexts(_contexts(args.contexts), _prefills(args.prefills)).with_windows(args.windows)
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, device=args.device)
@@ -120,6 +124,17 @@ def _contexts(text: str | None) -> tuple[int, ...] | None:
         raise ValueError(f"--contexts must be token counts such as 1024,2048, got {text!r}") from None
     if not values or min(values) < 64:
         raise ValueError(f"--contexts must be token counts of at least 64, got {text!r}")
+    return values
+
+
+def _subtasks(text: str | None) -> tuple[str, ...] | None:
+    from h2o_kv.studies.eval.ruler import TASKS
+
+    if text is None:
+        return None
+    values = tuple(item.strip() for item in text.split(",") if item.strip())
+    if not values or set(values) - set(TASKS):
+        raise ValueError(f"--retrieval-tasks must be among {','.join(TASKS)}, got {text!r}")
     return values
 
 

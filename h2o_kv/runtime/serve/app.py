@@ -118,7 +118,7 @@ def create_app(engine, model_name: str, *, tokenizer=None, manage_engine: bool =
 
     @app.middleware("http")
     async def require_a_key(request: Request, call_next):
-        if keys and request.url.path != "/health" and not _key_matches(request.headers.get("authorization"), keys):
+        if keys and request.url.path != "/health" and not key_matches(request.headers.get("authorization"), keys):
             metrics.rejected.labels("401").inc()
             error = ApiError(401, "missing or wrong API key: send the header Authorization: Bearer <key>",
                              code="invalid_api_key")  # fmt: skip
@@ -253,7 +253,7 @@ def create_app(engine, model_name: str, *, tokenizer=None, manage_engine: bool =
     return app
 
 
-def _key_matches(header: str | None, keys: list[bytes]) -> bool:
+def key_matches(header: str | None, keys: list[bytes]) -> bool:
     """Whether an Authorization header carries one of `keys`: every key compared in constant time, none skipped,
     so the time says nothing about which key or how much of it matched."""
     scheme, _, given = (header or "").partition(" ")

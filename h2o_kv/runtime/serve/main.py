@@ -95,6 +95,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     keys = api_keys(args)
     limits = request_limits(args)
     settings = engine_settings(args)
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.replicas > 1 or args.ray_address:
+        return serve_cluster(args, keys, limits, settings)
     try:
         from h2o_kv.runtime.serve.app import create_app
         from h2o_kv.runtime.serve.server import Server
@@ -111,6 +115,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(engine, args.served_model_name or served_name(args.model), api_keys=keys, limits=limits)
     Server.for_app(app, engine, host=args.host, port=args.port, drain_timeout=args.drain_timeout,
                    log_level=args.log_level, max_connections=args.max_connections).run()  # fmt: skip
+    return 0
+
+
+def serve_cluster(args: argparse.Namespace, keys: list[str], limits, settings: dict) -> int:
+    """`--replicas N` / `--ray-address`: the same routes from N engine replicas on Ray Serve (runtime/cluster)."""
+    try:
+        from h2o_kv.runtime.cluster.launch import serve_forever
+    except ImportError as err:
+        raise ValueError(f"--replicas needs the cluster extra: pip install 'h2o-kv[cluster]' ({err})") from None
+    serve_forever(model=args.model, replicas=args.replicas, engine=settings, limits=limits, api_keys=keys,
+                  served_name=args.served_model_name or served_name(args.model), device=args.device, host=args.host,
+                  port=args.port, ray_address=args.ray_address)  # fmt: skip
     return 0
 
 
@@ -167,6 +183,12 @@ def add_parser(sub) -> None:
                        help="require Authorization: Bearer KEY on every route but /health (repeat for several keys; "
                        "also H2O_KV_API_KEY, comma-separated)")  # fmt: skip
     serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--replicas", type=int, default=1,
+                       help="engine replicas on Ray Serve, each with its own --kv-memory, requests routed to the one "
+                       "with the most free KV memory (the cluster extra; default 1: one process, no Ray)")  # fmt: skip
+    serve.add_argument("--ray-address", default=None,
+                       help="run the replicas on this Ray cluster (e.g. auto, or head-ip:6379) instead of a local "
+                       "Ray on 127.0.0.1")  # fmt: skip
     serve.add_argument(
         "--drain-timeout", type=float, default=30.0, help="on SIGTERM, seconds in-flight requests may finish"
     )

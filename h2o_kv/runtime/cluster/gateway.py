@@ -1,0 +1,147 @@
+"""The cluster's front door: a Ray Serve FastAPI ingress in front of the engine replicas (`h2o-kv serve --replicas`).
+
+Every route of the one-process server goes through unchanged: the gateway checks the API key, picks nothing
+itself and hands the request to the replicas' deployment handle, whose router (routing.py) sends it to the
+replica with the most free KV memory, or to the one that served its session (`X-Session-Id` header or the
+body's `user` field). What the replica's app answers comes back as it is sent (streams included).
+
+A replica that dies: a request that has received nothing yet is sent again (another replica, up to
+`RETRIES` tries); a stream that already started ends with an OpenAI-shaped error event and `data: [DONE]`;
+Ray Serve restarts the replica. /metrics shows the gateway's own counts and each replica's last report
+(running, waiting, KV bytes in use and allowed), labelled by replica.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from ray import serve
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+from h2o_kv.runtime.cluster import reports, routing
+from h2o_kv.runtime.serve import schemas
+from h2o_kv.runtime.serve.app import key_matches
+from h2o_kv.runtime.serve.metrics import CONTENT_TYPE, PREFIX
+
+RETRIES = 3
+LOST = (ActorDiedError, ActorUnavailableError, RayActorError)  # the replica's process went away
+_REPLICA_GAUGES = (
+    ("replica_requests_running", "running", "Requests running on each replica (its last report)"),
+    ("replica_requests_waiting", "waiting", "Requests waiting on each replica (its last report)"),
+    ("replica_kv_bytes_in_use", "kv_bytes_in_use", "KV bytes each replica holds (its last report)"),
+    ("replica_kv_bytes_allowed", "kv_bytes_allowed", "KV memory limit of each replica (+Inf: none)"),
+    ("replica_kv_bytes_reserved", "kv_bytes_reserved", "KV bytes reserved by each replica's admitted requests"),
+    ("replica_requests_finished", "finished_requests", "Requests each replica has finished since it started"),
+    ("replica_process_id", "pid", "Each replica's process id"),
+)
+
+
+class _Replicas:
+    """The replicas' last reports as Prometheus gauges, read at scrape time."""
+
+    def collect(self):
+        for name, key, doc in _REPLICA_GAUGES:
+            family = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["replica"])
+            for replica, stats in sorted(reports.LATEST.items()):
+                if key in stats:  # a replica that has not reported yet has no samples
+                    value = stats[key]
+                    family.add_metric([replica], math.inf if value is None else float(value))
+            yield family
+
+
+def session_of(request: Request, body: bytes) -> str:
+    """The conversation a request belongs to: the X-Session-Id header, else the body's `user` field."""
+    header = request.headers.get("x-session-id")
+    if header:
+        return header
+    try:
+        user = json.loads(body).get("user") if body else None
+    except (ValueError, AttributeError):
+        return ""  # not JSON (or not an object): the replica's app answers that with a 400
+    return user if isinstance(user, str) else ""
+
+
+def _error(status: int, message: str, code: str) -> JSONResponse:
+    return JSONResponse(status_code=status, content=schemas.error_body(message, type="server_error", code=code))
+
+
+def build_gateway(replicas, api_keys: list[str]) -> FastAPI:
+    """The gateway's app over the replicas' deployment handle."""
+    app = FastAPI(title="h2o-kv cluster")
+    keys = [key.encode() for key in api_keys]
+    registry = CollectorRegistry()
+    registry.register(_Replicas())
+    retried = Counter(f"{PREFIX}_gateway_retries", "Requests sent again after their replica was lost",
+                      registry=registry)  # fmt: skip
+    broken = Counter(f"{PREFIX}_gateway_streams_broken", "Streams ended by a lost replica", registry=registry)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        if keys and not key_matches(request.headers.get("authorization"), keys):
+            return JSONResponse(status_code=401, content=schemas.error_body(
+                "missing or wrong API key", type="invalid_request_error", code="invalid_api_key"))  # fmt: skip
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE)
+
+    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    async def forward(request: Request, path: str) -> Response:
+        body = await request.body()
+        if keys and path != "health" and not key_matches(request.headers.get("authorization"), keys):
+            return JSONResponse(status_code=401, content=schemas.error_body(
+                "missing or wrong API key: send the header Authorization: Bearer <key>",
+                type="invalid_request_error", code="invalid_api_key"))  # fmt: skip
+        headers = [(k.encode(), v.encode()) for k, v in request.headers.items() if k.lower() != "authorization"]
+        handle = replicas.options(stream=True, session_id=session_of(request, body))
+        for _ in range(RETRIES):
+            parts = handle.forward.remote(request.method, f"/{path}", headers, body)
+            try:
+                start = await parts.__anext__()
+                break
+            except LOST:
+                retried.inc()
+        else:
+            return _error(503, f"no replica answered after {RETRIES} tries (replicas lost)", "replica_lost")
+        out = {k.decode(): v.decode() for k, v in start["headers"] if k.lower() not in (b"content-length",)}
+
+        async def relay():
+            try:
+                async for chunk in parts:
+                    yield chunk
+            except LOST as err:
+                broken.inc()
+                failure = schemas.error_body(f"the replica serving this stream was lost: {type(err).__name__}",
+                                             type="server_error", code="replica_lost")  # fmt: skip
+                yield f"data: {json.dumps(failure)}\n\ndata: [DONE]\n\n".encode()
+
+        return StreamingResponse(relay(), status_code=start["status"], headers=out)
+
+    return app
+
+
+def build(model: str, *, device: str, engine: dict, served_name: str, limits, replicas: int, api_keys: list[str]):
+    """The Ray Serve application: `replicas` engine replicas routed by free KV memory, behind the gateway."""
+    from ray.serve.config import RequestRouterConfig
+
+    from h2o_kv.runtime.cluster.replica import EngineReplica
+
+    router = RequestRouterConfig(request_router_class=f"{routing.__name__}:{routing.KVRoomRouter.__name__}",
+                                 request_routing_stats_period_s=routing.STATS_PERIOD)  # fmt: skip
+    engines = serve.deployment(
+        EngineReplica, name="engine", num_replicas=replicas, max_ongoing_requests=1024,
+        request_router_config=router, ray_actor_options={"num_cpus": 0},
+    ).bind(model, device, engine, served_name, limits)  # fmt: skip
+
+    @serve.deployment(name="gateway", max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
+    @serve.ingress()
+    class Gateway:
+        def __init__(self, engines_handle) -> None:
+            self.engines = engines_handle
+
+        def __serve_build_asgi_app__(self):
+            return build_gateway(self.engines, api_keys)
+
+    return Gateway.bind(engines)

@@ -1,0 +1,196 @@
+"""`h2o-kv serve --replicas 2` on Ray Serve, inside the test run on 127.0.0.1 (runtime/cluster): the OpenAI routes
+through the gateway (completions, streaming), routing to the replica with the most free KV memory, session
+stickiness, and a replica killed by its PID mid-load. Which replica served what is read from the gateway's
+per-replica metrics. Every load loop is bounded in count and time."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import time
+
+import pytest
+
+pytest.importorskip("ray.serve")
+openai = pytest.importorskip("openai")
+
+import httpx  # noqa: E402
+
+from h2o_kv.runtime.cluster.launch import running_cluster  # noqa: E402
+from h2o_kv.runtime.serve.requests import Limits  # noqa: E402
+
+from serve_helpers import MODEL, tiny_model, wait_for  # noqa: E402
+
+KV_MEMORY = 400_000  # bytes per replica: a long request's reservation is a large share of it
+ENGINE = dict(policy="h2o", budget=64, kv_memory=KV_MEMORY, max_batch=4, prefill_chunk=64)
+
+
+def replicas(url: str) -> dict[str, dict[str, float]]:
+    """{replica: {metric: value}} from the gateway's /metrics (the replicas' last reports)."""
+    out: dict[str, dict[str, float]] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("h2o_kv_replica_"):
+            name, _, value = line.rpartition(" ")
+            metric, _, label = name.partition('{replica="')
+            out.setdefault(label.rstrip('"}'), {})[metric.removeprefix("h2o_kv_replica_")] = float(value)
+    return out
+
+
+def gateway_metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} is not in the gateway's metrics")
+
+
+def finished(url: str) -> dict[str, float]:
+    return {r: m["requests_finished"] for r, m in replicas(url).items()}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tokenizer):
+    folder = tmp_path_factory.mktemp("tiny-model")
+    tiny_model(tokenizer, context=4096).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    with running_cluster(str(folder), replicas=2, engine=ENGINE, limits=Limits(), served_name=MODEL) as url:
+        # the gateway's router starts with its first request; then both replicas report within a second
+        assert httpx.get(f"{url}/health", timeout=60).status_code == 200
+        wait_for(lambda: len(replicas(url)) == 2, timeout=60, what="both replicas reporting")
+        yield url
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60, max_retries=0)
+
+
+def test_completions_and_streams_through_the_gateway(cluster):
+    api = client(cluster)
+    reply = api.completions.create(model=MODEL, prompt="Hello there", max_tokens=6, temperature=0)
+    assert reply.usage.completion_tokens == 6 and reply.choices[0].text
+    chunks = list(api.completions.create(model=MODEL, prompt="Hello there", max_tokens=6, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == reply.choices[0].text  # greedy: the same
+    assert [m.id for m in api.models.list().data] == [MODEL]
+    bad = httpx.post(f"{cluster}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": -1}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"  # the replica's own checks
+
+
+def _hold(url: str, user: str) -> concurrent.futures.Future:
+    """A long stream (ignore_eos) in a thread, so its replica holds a large KV reservation for a while."""
+    api = client(url)
+
+    def run() -> int:
+        stream = api.completions.create(model=MODEL, prompt="word " * 200, max_tokens=1500, temperature=0,
+                                        stream=True, user=user, extra_body={"ignore_eos": True})  # fmt: skip
+        return sum(1 for _ in stream)
+
+    return concurrent.futures.ThreadPoolExecutor(1).submit(run)
+
+
+def test_requests_go_to_the_replica_with_room_and_sessions_stick(cluster):
+    api = client(cluster)
+    held = _hold(cluster, "alice")
+    wait_for(lambda: any(m["kv_bytes_reserved"] > 0 for m in replicas(cluster).values()), timeout=30,
+             what="the long request's reservation reported")  # fmt: skip
+    stats = replicas(cluster)
+    busy = max(stats, key=lambda r: stats[r]["kv_bytes_reserved"])
+    (free,) = set(stats) - {busy}
+    before = finished(cluster)
+    for i in range(4):  # other conversations: the replica with room
+        api.completions.create(model=MODEL, prompt=f"Hi {i}", max_tokens=3, user=f"bob{i}")
+    wait_for(lambda: finished(cluster)[free] == before[free] + 4, timeout=30, what="the reports of the 4 requests")
+    assert finished(cluster)[busy] == before[busy]
+    api.completions.create(model=MODEL, prompt="Again", max_tokens=3, user="alice")  # alice's replica, though full
+    wait_for(lambda: finished(cluster)[busy] == before[busy] + 1, timeout=30, what="alice's request on her replica")
+    assert finished(cluster)[free] == before[free] + 4
+    assert held.result(timeout=120) > 0
+
+
+def test_a_killed_replica_fails_only_its_requests_and_comes_back(cluster):
+    """Mid-load, one replica's process is killed: every request ends (completions retried elsewhere, streams
+    already started end with an error event), and Ray Serve starts the replica again."""
+    api = client(cluster)
+
+    def complete(i: int) -> str:
+        return api.completions.create(model=MODEL, prompt=f"Load {i}", max_tokens=200, user=f"u{i}",
+                                      extra_body={"ignore_eos": True}).choices[0].finish_reason  # fmt: skip
+
+    def stream(i: int) -> str:
+        events = list(api.completions.create(model=MODEL, prompt=f"Stream {i}", max_tokens=400, stream=True,
+                                             user=f"s{i}", extra_body={"ignore_eos": True}))  # fmt: skip
+        return events[-1].choices[0].finish_reason if events and events[-1].choices else "error-event"
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        started = time.monotonic()
+        jobs = [pool.submit(complete, i) for i in range(4)] + [pool.submit(stream, i) for i in range(4)]
+        wait_for(lambda: sum(m["requests_running"] for m in replicas(cluster).values()) >= 2, timeout=30,
+                 what="requests running on the replicas")  # fmt: skip
+        victim = int(max(replicas(cluster).values(), key=lambda m: m["requests_running"])["process_id"])
+        os.kill(victim, signal.SIGKILL)
+        outcomes = []
+        for job in jobs:
+            try:
+                outcomes.append(job.result(timeout=120))
+            except openai.APIError as err:  # an OpenAI-shaped error (the stream's error event)
+                outcomes.append(f"error: {err}")
+        assert time.monotonic() - started < 150
+    assert all(o in ("length", "error-event") or o.startswith("error: ") for o in outcomes), outcomes
+    assert outcomes[:4] == ["length"] * 4, outcomes  # completions had received nothing: retried, all finished
+    retried = gateway_metric(cluster, "h2o_kv_gateway_retries_total")
+    broken = sum(o != "length" for o in outcomes)
+    assert retried + broken >= 1, outcomes  # the kill hit requests in flight: retried or ended with an error
+    assert gateway_metric(cluster, "h2o_kv_gateway_streams_broken_total") == broken
+
+    def restarted() -> bool:
+        pids = [m.get("process_id") for m in replicas(cluster).values()]
+        return len(pids) == 2 and None not in pids and victim not in pids
+
+    wait_for(restarted, timeout=90, what="the replica restarted")
+    assert client(cluster).completions.create(model=MODEL, prompt="After", max_tokens=3).usage.completion_tokens == 3
+
+
+class _FakeReplicas:
+    """Stands in for the replicas' deployment handle: records the calls, answers 200 with a fixed body."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.options_seen: list[dict] = []
+
+    def options(self, **options):
+        self.options_seen.append(options)
+        return self
+
+    @property
+    def forward(self):
+        return self
+
+    def remote(self, *call):
+        self.calls.append(call)
+
+        async def parts():
+            yield {"status": 200, "headers": [(b"content-type", b"application/json")]}
+            yield b'{"ok": true}'
+
+        return parts()
+
+
+def test_the_gateway_checks_keys_and_names_the_session():
+    """Without Ray: the gateway's key check (every route but /health) and the session it hands the router."""
+    from fastapi.testclient import TestClient
+
+    from h2o_kv.runtime.cluster.gateway import build_gateway
+
+    fake = _FakeReplicas()
+    with TestClient(build_gateway(fake, ["secret"])) as http:
+        refused = http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        assert http.get("/metrics").status_code == 401 and not fake.calls
+        assert http.get("/health").json() == {"ok": True}
+        keyed = {"Authorization": "Bearer secret"}
+        assert http.post("/v1/completions", json={"prompt": "x", "user": "ann"}, headers=keyed).status_code == 200
+        http.post("/v1/completions", json={"prompt": "x", "user": "ann"}, headers={**keyed, "X-Session-Id": "s1"})
+        assert http.get("/metrics", headers=keyed).status_code == 200
+    assert [o["session_id"] for o in fake.options_seen] == ["", "ann", "s1"]
+    method, path, headers, _ = fake.calls[1]
+    assert (method, path) == ("POST", "/v1/completions")
+    assert all(name != b"authorization" for name, _ in headers)  # the key stays at the gateway

@@ -26,7 +26,7 @@ import numpy as np
 
 from h2o_kv import policies
 from h2o_kv.cache.formats import KV_DTYPES
-from h2o_kv.runtime.serve.launch import launch_server, served_model
+from h2o_kv.runtime.serve.launch import free_port, launch_server, served_model
 from h2o_kv.studies.report import command_line, environment
 
 DEFAULT_CONFIGS = "h2o:0.2,full"
@@ -113,11 +113,21 @@ async def _watch_metrics(client: httpx.AsyncClient, url: str, peaks: dict, stop:
         response = await client.get(f"{url}/metrics")
         if response.status_code != 200:
             return
+        running = kv_bytes = 0.0  # a cluster's gateway reports each replica: summed per scrape
         for family in text_string_to_metric_families(response.text):
             for sample in family.samples:
                 if sample.name in names:
                     key = names[sample.name]
                     peaks[key] = max(peaks.get(key, 0), sample.value)
+                elif sample.name.startswith("h2o_kv_replica_"):
+                    replica = peaks.setdefault("replicas", {}).setdefault(sample.labels["replica"], {})
+                    key = sample.name.removeprefix("h2o_kv_replica_")
+                    replica[key] = max(replica.get(key, 0), sample.value)
+                    running += sample.value if key == "requests_running" else 0
+                    kv_bytes += sample.value if key == "kv_bytes_in_use" else 0
+        if "replicas" in peaks:
+            peaks["peak_running"] = max(peaks.get("peak_running", 0), running)
+            peaks["peak_kv_bytes"] = max(peaks.get("peak_kv_bytes", 0), kv_bytes)
         if stop.is_set():
             return
         try:
@@ -164,6 +174,11 @@ def summarize(name: str, outcomes: list[Outcome], wall: float, peaks: dict, prom
         for q in (50, 90, 99):
             row[f"{key}_p{q}"] = float(np.percentile(values, q)) if values else None
     row |= {key: peaks.get(key) for key in ("peak_running", "peak_waiting", "peak_kv_bytes", "kv_bytes_allowed")}
+    if "replicas" in peaks:  # a cluster: each replica's own high-water mark against its own limit
+        replicas = peaks["replicas"]
+        row["replicas"] = len(replicas)
+        row["replica_kv_peak_over_allowed"] = max(r["kv_bytes_peak"] / r["kv_bytes_allowed"] for r in replicas.values())
+        row["per_replica"] = replicas
     row["first_error"] = next((o.error for o in outcomes if o.error), None)
     return row
 
@@ -222,6 +237,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch", type=int, default=64, help="the server's --max-batch (default 64)")
     parser.add_argument("--prefill-chunk", type=int, default=256, help="the server's --prefill-chunk")
     parser.add_argument("--kv-dtype", default=None, choices=list(KV_DTYPES), help="the server's --kv-dtype")
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="start `h2o-kv serve --replicas N` on a local Ray instead (the cluster extra)",
+    )
     parser.add_argument("--configs", default=DEFAULT_CONFIGS, help="policy[:budget] list (default h2o:0.2,full)")
     parser.add_argument("--requests", type=int, default=32, help="requests per config (default 32)")
     parser.add_argument("--concurrency", type=int, default=None, help="most requests in flight (default: all)")
@@ -274,9 +295,13 @@ def _run(args: argparse.Namespace, command: str) -> int:
     if args.url:
         rows = run_benchmark(args.url.rstrip("/"), prompts, configs, prompt_tokens=args.prompt_tokens, **run)
     else:
-        with launch_server(args.model, **settings) as url:
+        extra = () if args.replicas is None else ("--replicas", str(args.replicas), "--ray-address", "local",
+                                                   "--port", str(free_port()))  # fmt: skip
+        with launch_server(args.model, **settings, extra=extra) as url:
             rows = run_benchmark(url, prompts, configs, prompt_tokens=args.prompt_tokens, **run)
-    server = {"url": args.url} if args.url else settings | {"model": args.model}  # another server: its own settings
+    server = (
+        {"url": args.url} if args.url else settings | {"model": args.model, "replicas": args.replicas}
+    )  # another server: its own settings
     meta = dict(command=command, environment=environment(), server=server, requests=args.requests,
                 prompt_tokens=args.prompt_tokens, **run)  # fmt: skip
     paths = write_results(rows, ratios(rows), meta, args.out)

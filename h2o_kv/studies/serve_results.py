@@ -9,7 +9,7 @@ from h2o_kv.studies.report import pyplot, save_figure, write_csv, write_json
 COLUMNS = (
     "config requests errors prompt_tokens generated_tokens wall_s requests_per_s generated_tokens_per_s "
     "ttft_s_p50 ttft_s_p90 ttft_s_p99 latency_s_p50 latency_s_p90 latency_s_p99 tpot_s_p50 tpot_s_p90 tpot_s_p99 "
-    "peak_running peak_waiting peak_kv_bytes kv_bytes_allowed first_error"
+    "peak_running peak_waiting peak_kv_bytes kv_bytes_allowed replicas replica_kv_peak_over_allowed first_error"
 ).split()
 
 PANELS = (

@@ -36,6 +36,7 @@ _REPLICA_GAUGES = (
     ("replica_kv_bytes_in_use", "kv_bytes_in_use", "KV bytes each replica holds (its last report)"),
     ("replica_kv_bytes_allowed", "kv_bytes_allowed", "KV memory limit of each replica (+Inf: none)"),
     ("replica_kv_bytes_reserved", "kv_bytes_reserved", "KV bytes reserved by each replica's admitted requests"),
+    ("replica_kv_bytes_peak", "kv_bytes_peak", "Most KV bytes each replica held since it started or /reset_peaks"),
     ("replica_requests_finished", "finished_requests", "Requests each replica has finished since it started"),
     ("replica_process_id", "pid", "Each replica's process id"),
 )
@@ -86,6 +87,13 @@ def build_gateway(replicas, api_keys: list[str]) -> FastAPI:
             return JSONResponse(status_code=401, content=schemas.error_body(
                 "missing or wrong API key", type="invalid_request_error", code="invalid_api_key"))  # fmt: skip
         return Response(generate_latest(registry), media_type=CONTENT_TYPE)
+
+    @app.post("/reset_peaks")
+    async def reset_peaks() -> JSONResponse:
+        """Not across replicas (a handle reaches one): each replica's peaks count from its start."""
+        return JSONResponse(status_code=404, content=schemas.error_body(
+            "the cluster gateway does not reset peaks: each replica's count from its start",
+            type="not_found_error", code="not_supported"))  # fmt: skip
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def forward(request: Request, path: str) -> Response:

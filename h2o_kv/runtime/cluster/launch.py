@@ -4,10 +4,12 @@ the serving study, on an ephemeral loopback port, and takes everything down on e
 
 from __future__ import annotations
 
-import socket
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from h2o_kv.runtime.serve.launch import free_port
 
 APP = "h2o-kv"
 
@@ -22,7 +24,7 @@ def start(
 
     from h2o_kv.runtime.cluster.gateway import build
 
-    if ray_address:
+    if ray_address and ray_address != "local":
         ray.init(address=ray_address, log_to_driver=False)
     else:  # a private Ray on this machine, reachable on loopback only
         ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
@@ -49,7 +51,7 @@ def serve_forever(**settings) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     start(**settings)
     print(f"h2o-kv serve: {settings['replicas']} replica(s) ready at http://{settings['host']}:{settings['port']}",
-          flush=True)  # fmt: skip
+          file=sys.stderr, flush=True)  # fmt: skip
     try:
         while not stopping:
             time.sleep(0.5)
@@ -57,12 +59,6 @@ def serve_forever(**settings) -> None:
         pass
     finally:
         stop()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextmanager

@@ -6,6 +6,7 @@ import collections
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -15,7 +16,15 @@ from contextlib import contextmanager
 
 import httpx
 
-_ADDRESS = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
+# the one-process server's uvicorn line, or the cluster's (`serve --replicas`)
+_ADDRESS = re.compile(r"(?:Uvicorn running on|replica\(s\) ready at) http://127\.0\.0\.1:(\d+)")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for servers that cannot bind port 0 themselves, such as Ray Serve's)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def served_model(url: str) -> str:

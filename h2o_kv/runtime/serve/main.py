@@ -187,8 +187,8 @@ def add_parser(sub) -> None:
                        help="engine replicas on Ray Serve, each with its own --kv-memory, requests routed to the one "
                        "with the most free KV memory (the cluster extra; default 1: one process, no Ray)")  # fmt: skip
     serve.add_argument("--ray-address", default=None,
-                       help="run the replicas on this Ray cluster (e.g. auto, or head-ip:6379) instead of a local "
-                       "Ray on 127.0.0.1")  # fmt: skip
+                       help="run the replicas on this Ray cluster (auto, or head-ip:6379); 'local' starts a Ray on "
+                       "127.0.0.1 (what --replicas > 1 does without this flag)")  # fmt: skip
     serve.add_argument(
         "--drain-timeout", type=float, default=30.0, help="on SIGTERM, seconds in-flight requests may finish"
     )

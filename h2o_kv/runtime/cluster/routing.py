@@ -2,9 +2,9 @@
 
 A Ray Serve `RequestRouter` for the engine replicas. Each replica reports its admission state
 (`EngineReplica.record_routing_stats`: KV bytes allowed minus reserved, waiting and running requests) every
-`STATS_PERIOD` seconds; between two reports the router counts what it chose for each replica (each counted as
-the largest average reservation of a running request), so a burst does not all land on the replica that looked
-emptiest at the last report. A request with a session id (the
+`STATS_PERIOD` seconds. Requests the router chose for a replica after its last report, and still in flight,
+count against its room (each as the average reservation of a running request), so a burst does not all land on
+the replica that looked emptiest at the last report. A request with a session id (the
 `X-Session-Id` header or the body's `user` field, set by the gateway) goes back to the replica that served
 that session, while that replica is alive. The latest stats of every replica are kept in `reports.LATEST` for
 the gateway's aggregated /metrics (the router lives in the gateway's process).
@@ -13,12 +13,15 @@ the gateway's aggregated /metrics (the router lives in the gateway's process).
 from __future__ import annotations
 
 import math
+import time
+from collections import OrderedDict
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from h2o_kv.runtime.cluster import reports
 
 STATS_PERIOD = 0.5  # seconds between two routing-stats reports of a replica
+SESSIONS = 100_000  # conversations remembered for stickiness (the oldest forgotten first)
 
 
 def room(stats: dict, sent_since: int, per_request: float) -> tuple[float, float]:
@@ -31,19 +34,24 @@ def room(stats: dict, sent_since: int, per_request: float) -> tuple[float, float
 
 
 def request_bytes(replicas: list[RunningReplica]) -> float:
-    """What one more request is expected to reserve: the largest average reservation of a running request."""
-    shares = [r.routing_stats["kv_bytes_reserved"] / r.routing_stats["running"]
-              for r in replicas if (r.routing_stats or {}).get("running")]  # fmt: skip
-    return max(shares, default=0.0)
+    """What one more request is expected to reserve: the average reservation of the running requests."""
+    stats = [r.routing_stats or {} for r in replicas]
+    running = sum(s.get("running", 0) for s in stats)
+    return sum(s.get("kv_bytes_reserved", 0) for s in stats) / running if running else 0.0
 
 
 class KVRoomRouter(RequestRouter):
     """Most free KV memory first; a known session to its replica."""
 
     def initialize_state(self, **kwargs) -> None:
-        self.sessions: dict[str, ReplicaID] = {}
-        self.sent: dict[ReplicaID, int] = {}
-        self.reports: dict[ReplicaID, object] = {}
+        self.sessions: OrderedDict[str, ReplicaID] = OrderedDict()  # the most recent SESSIONS conversations
+        self.flight: dict[str, tuple[ReplicaID, float]] = {}  # request id -> (replica, when chosen)
+        self.reports: dict[ReplicaID, tuple[object, float]] = {}  # replica -> (its last stats, when they came)
+
+    def unreported(self, replica_id: ReplicaID) -> int:
+        """Requests in flight to the replica, chosen after its last report (so not yet in its stats)."""
+        since = self.reports.get(replica_id, (None, 0.0))[1]
+        return sum(1 for rid, at in self.flight.values() if rid == replica_id and at > since)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -51,11 +59,11 @@ class KVRoomRouter(RequestRouter):
         for replica in replicas:
             stats = replica.routing_stats or {}
             reports.LATEST[replica.replica_id.unique_id] = stats
-            if self.reports.get(replica.replica_id) is not stats:  # a new report: its counts include ours
-                self.reports[replica.replica_id] = stats
-                self.sent[replica.replica_id] = 0
+            if self.reports.get(replica.replica_id, (None,))[0] is not stats:  # a new report
+                self.reports[replica.replica_id] = (stats, time.monotonic())
         for gone in set(reports.LATEST) - {replica.unique_id for replica in alive}:
             del reports.LATEST[gone]
+        self.flight = {rid: (replica, at) for rid, (replica, at) in self.flight.items() if replica in alive}
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -68,14 +76,22 @@ class KVRoomRouter(RequestRouter):
         per_request = request_bytes(candidate_replicas)
         ranked = sorted(
             candidate_replicas,
-            key=lambda r: room(r.routing_stats or {}, self.sent.get(r.replica_id, 0), per_request),
+            key=lambda r: room(r.routing_stats or {}, self.unreported(r.replica_id), per_request),
             reverse=True,
         )
-        # counted when chosen, not when routed: requests routed together are chosen before any is routed
-        self.sent[ranked[0].replica_id] = self.sent.get(ranked[0].replica_id, 0) + 1
+        if pending_request is not None:  # counted when chosen: requests routed together are all chosen first
+            self.flight[pending_request.metadata.internal_request_id] = (ranked[0].replica_id, time.monotonic())
         return [[replica] for replica in ranked]
 
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self.flight.pop(internal_request_id, None)
+
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        request = pending_request.metadata.internal_request_id
+        self.flight[request] = (replica_id, self.flight.get(request, (None, time.monotonic()))[1])
         session = pending_request.metadata.session_id
         if session:
             self.sessions[session] = replica_id
+            self.sessions.move_to_end(session)
+            if len(self.sessions) > SESSIONS:
+                self.sessions.popitem(last=False)

@@ -50,6 +50,14 @@ def samples_for(tokenizer, haystack: str, task: str, context: int, n: int, seed:
     )
 
 
+def kv_bytes_per_token(config) -> int:
+    """Keys and values of one token over every layer, float32 (what kvpress's cache holds per kept token)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    head = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    return text.num_hidden_layers * kv_heads * head * 2 * 4
+
+
 def export(args: argparse.Namespace) -> None:
     model, tokenizer = load_model(args.model, enable_h2o=False)
     model_dir = cache_dir() / "models" / args.model
@@ -79,6 +87,7 @@ def export(args: argparse.Namespace) -> None:
                     "model_dir": str(model_dir),
                     "corpus": args.corpus or "shakespeare (h2o_kv.studies.data default)",
                     "eos_token_id": model.generation_config.eos_token_id,
+                    "kv_bytes_per_token": kv_bytes_per_token(model.config),
                 }
                 lines.append(json.dumps(record))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,11 @@ COLUMNS = (
 )  # fmt: skip
 
 
+def per_token(records: list[dict]) -> int:
+    """KV bytes per token of the samples' model (exported with them; older exports: SmolLM2-135M's)."""
+    return records[0].get("kv_bytes_per_token", PER_TOKEN) if records else PER_TOKEN
+
+
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
@@ -54,7 +59,7 @@ def rows(state: dict, records: list[dict]) -> list[dict]:
                 "kv_tokens_mean": _mean([v["kv_tokens"] for v in s.values()]),
                 "kv_tokens_effective_mean": _mean([v["kv_tokens_effective"] for v in s.values()]),
                 "h2o_kv_budget_tokens": budget if budget is not None else "",
-                "h2o_kv_bytes_at_budget": budget * PER_TOKEN if budget is not None else "",
+                "h2o_kv_bytes_at_budget": budget * per_token(recs) if budget is not None else "",
                 "prefill_s_mean": _mean([v["prefill_s"] for v in s.values()]),
                 "decode_s_mean": _mean([v["decode_s"] for v in s.values()]),
             }
@@ -134,7 +139,7 @@ def markdown(table: list[dict], state: dict, records: list[dict]) -> str:
             lambda r: f"{r['kv_bytes_mean'] / 1024:.0f}",
             note="Measured: sum of the key/value tensors' bytes in kvpress's cache (float32). AdaKV masks evicted "
             "entries but keeps them in memory, so its bytes equal Full's. The last row is h2o-kv's budget in "
-            f"tokens x {PER_TOKEN} bytes per token (30 layers x 3 KV heads x 64 x 2 x 4 B), not a measurement.",
+            "tokens x the model's bytes per token (layers x KV heads x head size x 2 x 4 B), not a measurement.",
         )
     return "\n".join(lines)
 

@@ -63,7 +63,13 @@ PRESSES = {
     "streamingllm": lambda r: StreamingLLMPress(compression_ratio=r),
     "observed_attention": lambda r: ObservedAttentionPress(compression_ratio=r),
     "adakv_snapkv": lambda r: AdaKVPress(SnapKVPress(compression_ratio=r)),
+    # SnapKV with h2o-kv's settings, one at a time (why the two SnapKVs disagree; not in the default --presses):
+    # h2o-kv observes the last 32 queries (kvpress 64) and pools over 31 tokens (kvpress 5; h2o-kv's pool is a max)
+    "snapkv_window32": lambda r: SnapKVPress(compression_ratio=r, window_size=32),
+    "snapkv_kernel31": lambda r: SnapKVPress(compression_ratio=r, kernel_size=31),
+    "snapkv_window32_kernel31": lambda r: SnapKVPress(compression_ratio=r, window_size=32, kernel_size=31),
 }
+DEFAULT_PRESSES = ("snapkv", "expected_attention", "tova", "streamingllm", "observed_attention", "adakv_snapkv")
 EAGER = {"observed_attention"}
 
 
@@ -268,7 +274,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--samples", default="compare/kvpress/samples.jsonl")
     p.add_argument("--out", default="results/kvpress")
-    p.add_argument("--presses", default=",".join(PRESSES))
+    p.add_argument("--presses", default=",".join(DEFAULT_PRESSES), help=f"any of {','.join(PRESSES)}")
     p.add_argument("--ratios", default="0.8,0.9", help="kvpress compression ratios (0.8 keeps 20 %%)")
     p.add_argument("--limit", type=int, default=0, help="first N samples per (task, context) only (0: all)")
     p.add_argument(

@@ -39,6 +39,7 @@ _REPLICA_GAUGES = (
     ("replica_kv_bytes_peak", "kv_bytes_peak", "Most KV bytes each replica held since it started or /reset_peaks"),
     ("replica_requests_finished", "finished_requests", "Requests each replica has finished since it started"),
     ("replica_process_id", "pid", "Each replica's process id"),
+    ("replica_torch_threads", "torch_threads", "Each replica's torch CPU threads"),
 )
 
 

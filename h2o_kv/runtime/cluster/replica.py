@@ -31,11 +31,13 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict:
         """The replica's admission state for the router: KV bytes free for new reservations (allowed minus
-        reserved; +inf without a limit), requests waiting and running, and the process id."""
+        reserved; +inf without a limit), requests waiting and running, the process id and torch's threads."""
+        import torch
+
         stats = self.engine.stats()
         allowed = stats["kv_bytes_allowed"]
         free = math.inf if allowed is None else allowed - stats["kv_bytes_reserved"]
-        return {**stats, "free_kv_bytes": free, "pid": os.getpid()}
+        return {**stats, "free_kv_bytes": free, "pid": os.getpid(), "torch_threads": torch.get_num_threads()}
 
     async def forward(self, method: str, path: str, headers: list, body: bytes) -> AsyncIterator:
         """Run one HTTP request through the app: yields {"status", "headers"} and then each body chunk."""

@@ -3,7 +3,8 @@
 A cell is one policy at one budget on one task setting (perplexity: the windows; retrieval: one context
 length and prefill). With an output directory every finished cell is written to `<out>/cells/` as one
 JSON file holding its rows and the key that names it: the task's settings, the model and its dtype, the
-mode, seed and corpus, the torch and transformers versions and a digest of h2o-kv's own source. `h2o-kv
+mode, seed and corpus, the torch and transformers versions and a digest of the h2o-kv source that computes the
+numbers (`source_digest`). `h2o-kv
 eval --resume` (`run_eval(resume=True)`) takes a cell from there when its key matches exactly and runs
 the others, so an interrupted run picks up where it stopped and a changed setting or changed code never
 reuses a stale result. Without `--resume` every cell runs (and is written, for a later `--resume`).
@@ -19,14 +20,21 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+# h2o-kv's code that cannot change an eval's numbers: serving, the cluster, the throughput studies, the CLI
+NOT_NUMERICS = ("runtime/serve/", "runtime/cluster/", "studies/bench/", "studies/loadgen.py",
+                "studies/serve_results.py", "cli.py", "lazy.py")  # fmt: skip
+
 
 @cache
 def source_digest() -> str:
-    """A digest of the h2o_kv package's Python source: any change to the code gives another key."""
-    root = Path(__file__).resolve().parent.parent
+    """A digest of the h2o_kv source that computes an eval's numbers (Python and the C++ kernels): a change there
+    gives another key; a change to serving, the CLI or the throughput studies does not."""
+    root = Path(__file__).resolve().parent.parent.parent
     digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    for path in sorted(p for ext in ("*.py", "*.cpp", "*.h") for p in root.rglob(ext)):
+        name = path.relative_to(root).as_posix()
+        if not name.startswith(NOT_NUMERICS):
+            digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:16]
 
 

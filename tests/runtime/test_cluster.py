@@ -75,6 +75,19 @@ def test_completions_and_streams_through_the_gateway(cluster):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"  # the replica's own checks
 
 
+def test_a_client_that_goes_away_frees_its_replica(cluster):
+    """A stream closed by its client after two chunks: the gateway cancels the replica's call, the replica's app
+    sees a disconnect and cancels the request long before its 3,500 tokens."""
+    before = sum(m["generated_tokens"] for m in replicas(cluster).values())
+    body = {"model": MODEL, "prompt": "Go", "max_tokens": 3500, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{cluster}/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ") and next(lines) == ""
+    wait_for(lambda: all(m["requests_running"] == 0 and m["kv_bytes_in_use"] == 0 for m in replicas(cluster).values()),
+             timeout=30, what="the request cancelled on its replica")  # fmt: skip
+    assert sum(m["generated_tokens"] for m in replicas(cluster).values()) - before < 3500
+
+
 def _hold(url: str, user: str) -> concurrent.futures.Future:
     """A long stream (ignore_eos) in a thread, so its replica holds a large KV reservation for a while."""
     api = client(url)

@@ -37,6 +37,7 @@ _REPLICA_GAUGES = (
     ("replica_kv_bytes_allowed", "kv_bytes_allowed", "KV memory limit of each replica (+Inf: none)"),
     ("replica_kv_bytes_reserved", "kv_bytes_reserved", "KV bytes reserved by each replica's admitted requests"),
     ("replica_kv_bytes_peak", "kv_bytes_peak", "Most KV bytes each replica held since it started or /reset_peaks"),
+    ("replica_generated_tokens", "generated_tokens", "Tokens each replica has generated since it started"),
     ("replica_requests_finished", "finished_requests", "Requests each replica has finished since it started"),
     ("replica_process_id", "pid", "Each replica's process id"),
     ("replica_torch_threads", "torch_threads", "Each replica's torch CPU threads"),
@@ -82,11 +83,17 @@ def build_gateway(replicas, api_keys: list[str]) -> FastAPI:
                       registry=registry)  # fmt: skip
     broken = Counter(f"{PREFIX}_gateway_streams_broken", "Streams ended by a lost replica", registry=registry)
 
+    def refused(request: Request) -> JSONResponse | None:
+        if not keys or key_matches(request.headers.get("authorization"), keys):
+            return None
+        return JSONResponse(status_code=401, content=schemas.error_body(
+            "missing or wrong API key: send the header Authorization: Bearer <key>", type="invalid_request_error",
+            code="invalid_api_key"))  # fmt: skip
+
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        if keys and not key_matches(request.headers.get("authorization"), keys):
-            return JSONResponse(status_code=401, content=schemas.error_body(
-                "missing or wrong API key", type="invalid_request_error", code="invalid_api_key"))  # fmt: skip
+        if (refusal := refused(request)) is not None:
+            return refusal
         return Response(generate_latest(registry), media_type=CONTENT_TYPE)
 
     @app.post("/reset_peaks")
@@ -99,10 +106,8 @@ def build_gateway(replicas, api_keys: list[str]) -> FastAPI:
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def forward(request: Request, path: str) -> Response:
         body = await request.body()
-        if keys and path != "health" and not key_matches(request.headers.get("authorization"), keys):
-            return JSONResponse(status_code=401, content=schemas.error_body(
-                "missing or wrong API key: send the header Authorization: Bearer <key>",
-                type="invalid_request_error", code="invalid_api_key"))  # fmt: skip
+        if path != "health" and (refusal := refused(request)) is not None:
+            return refusal
         headers = [(k.encode(), v.encode()) for k, v in request.headers.items() if k.lower() != "authorization"]
         handle = replicas.options(stream=True, session_id=session_of(request, body))
         for _ in range(RETRIES):
@@ -117,14 +122,20 @@ def build_gateway(replicas, api_keys: list[str]) -> FastAPI:
         out = {k.decode(): v.decode() for k, v in start["headers"] if k.lower() not in (b"content-length",)}
 
         async def relay():
+            done = False
             try:
                 async for chunk in parts:
                     yield chunk
+                done = True
             except LOST as err:
+                done = True
                 broken.inc()
                 failure = schemas.error_body(f"the replica serving this stream was lost: {type(err).__name__}",
                                              type="server_error", code="replica_lost")  # fmt: skip
                 yield f"data: {json.dumps(failure)}\n\ndata: [DONE]\n\n".encode()
+            finally:
+                if not done:  # the client went away: the replica's app sees a disconnect and frees the request
+                    parts.cancel()
 
         return StreamingResponse(relay(), status_code=start["status"], headers=out)
 

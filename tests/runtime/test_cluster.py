@@ -207,3 +207,20 @@ def test_the_gateway_checks_keys_and_names_the_session():
     method, path, headers, _ = fake.calls[1]
     assert (method, path) == ("POST", "/v1/completions")
     assert all(name != b"authorization" for name, _ in headers)  # the key stays at the gateway
+
+
+def test_the_routers_rank_key():
+    """Free KV bytes first, less the expected bytes of requests sent since the last report; a replica that has
+    not reported yet (just started) counts as free as the emptiest one, not as full."""
+    from types import SimpleNamespace
+
+    from h2o_kv.runtime.cluster.routing import request_bytes, room
+
+    busy = {"free_kv_bytes": 600.0, "running": 2, "waiting": 0, "kv_bytes_reserved": 400}
+    idle = {"free_kv_bytes": 1000.0, "running": 0, "waiting": 0, "kv_bytes_reserved": 0}
+    per_request = request_bytes([SimpleNamespace(routing_stats=s) for s in (busy, idle, None)])
+    assert per_request == 200.0  # 400 bytes reserved by 2 running requests
+    assert room(idle, 0, per_request, 1000.0) > room(busy, 0, per_request, 1000.0)
+    assert room(idle, 3, per_request, 1000.0) < room(busy, 0, per_request, 1000.0)  # 3 just sent: 400 left
+    assert room({}, 0, per_request, 1000.0) == room(idle, 0, per_request, 1000.0)  # unreported = the emptiest
+    assert room({}, 1, per_request, 1000.0) < room(idle, 0, per_request, 1000.0)

@@ -24,10 +24,11 @@ STATS_PERIOD = 0.5  # seconds between two routing-stats reports of a replica
 SESSIONS = 100_000  # conversations remembered for stickiness (the oldest forgotten first)
 
 
-def room(stats: dict, sent_since: int, per_request: float) -> tuple[float, float]:
+def room(stats: dict, sent_since: int, per_request: float, unknown: float) -> tuple[float, float]:
     """A replica's rank key, larger first: free KV bytes less `per_request` bytes for each request sent to it
-    since its last report, then fewer requests waiting, running or just sent."""
-    free = stats.get("free_kv_bytes", 0.0)
+    since its last report, then fewer requests waiting, running or just sent. A replica that has not reported
+    yet (just started) counts `unknown` free bytes."""
+    free = stats.get("free_kv_bytes", unknown)
     if not math.isinf(free):
         free -= sent_since * per_request
     return free, -(stats.get("waiting", 0) + stats.get("running", 0) + sent_since)
@@ -74,9 +75,11 @@ class KVRoomRouter(RequestRouter):
             if same:
                 return [same]
         per_request = request_bytes(candidate_replicas)
+        # a replica that has not reported yet is new, so as empty as the emptiest one that has
+        unknown = max(((r.routing_stats or {}).get("free_kv_bytes", 0.0) for r in candidate_replicas), default=0.0)
         ranked = sorted(
             candidate_replicas,
-            key=lambda r: room(r.routing_stats or {}, self.unreported(r.replica_id), per_request),
+            key=lambda r: room(r.routing_stats or {}, self.unreported(r.replica_id), per_request, unknown),
             reverse=True,
         )
         if pending_request is not None:  # counted when chosen: requests routed together are all chosen first

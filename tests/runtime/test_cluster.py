@@ -224,3 +224,19 @@ def test_the_routers_rank_key():
     assert room(idle, 3, per_request, 1000.0) < room(busy, 0, per_request, 1000.0)  # 3 just sent: 400 left
     assert room({}, 0, per_request, 1000.0) == room(idle, 0, per_request, 1000.0)  # unreported = the emptiest
     assert room({}, 1, per_request, 1000.0) < room(idle, 0, per_request, 1000.0)
+
+
+def test_the_gateway_bounds_a_body_before_reading_it():
+    """Without Ray: a body over the bound (413) or without a length (411) never reaches a replica."""
+    from fastapi.testclient import TestClient
+
+    from h2o_kv.runtime.cluster.gateway import build_gateway
+
+    fake = _FakeReplicas()
+    with TestClient(build_gateway(fake, [], max_body_bytes=100)) as http:
+        big = http.post("/v1/completions", json={"prompt": "x" * 200})
+        assert big.status_code == 413 and big.json()["error"]["code"] == "body_too_large"
+        chunked = http.post("/v1/completions", content=iter([b'{"prompt": "x"}']))
+        assert chunked.status_code == 411
+        assert http.post("/v1/completions", json={"prompt": "x"}).status_code == 200
+    assert len(fake.calls) == 1

@@ -25,7 +25,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from h2o_kv.runtime.cluster import reports, routing
 from h2o_kv.runtime.serve import schemas
-from h2o_kv.runtime.serve.app import key_matches
+from h2o_kv.runtime.serve.app import WRONG_KEY, body_refusal, error_response, key_matches
 from h2o_kv.runtime.serve.metrics import CONTENT_TYPE, PREFIX
 
 RETRIES = 3
@@ -73,8 +73,9 @@ def _error(status: int, message: str, code: str) -> JSONResponse:
     return JSONResponse(status_code=status, content=schemas.error_body(message, type="server_error", code=code))
 
 
-def build_gateway(replicas, api_keys: list[str]) -> FastAPI:
-    """The gateway's app over the replicas' deployment handle."""
+def build_gateway(replicas, api_keys: list[str], max_body_bytes: int = 1 << 20) -> FastAPI:
+    """The gateway's app over the replicas' deployment handle; a body is read only once the key is checked and
+    its length is within `max_body_bytes` (the replicas' own bound)."""
     app = FastAPI(title="h2o-kv cluster")
     keys = [key.encode() for key in api_keys]
     registry = CollectorRegistry()
@@ -86,9 +87,7 @@ def build_gateway(replicas, api_keys: list[str]) -> FastAPI:
     def refused(request: Request) -> JSONResponse | None:
         if not keys or key_matches(request.headers.get("authorization"), keys):
             return None
-        return JSONResponse(status_code=401, content=schemas.error_body(
-            "missing or wrong API key: send the header Authorization: Bearer <key>", type="invalid_request_error",
-            code="invalid_api_key"))  # fmt: skip
+        return error_response(WRONG_KEY)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -105,9 +104,12 @@ def build_gateway(replicas, api_keys: list[str]) -> FastAPI:
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def forward(request: Request, path: str) -> Response:
-        body = await request.body()
         if path != "health" and (refusal := refused(request)) is not None:
             return refusal
+        error = body_refusal(request.method, request.headers.get("content-length"), max_body_bytes)
+        if error is not None:
+            return error_response(error)
+        body = await request.body()
         headers = [(k.encode(), v.encode()) for k, v in request.headers.items() if k.lower() != "authorization"]
         handle = replicas.options(stream=True, session_id=session_of(request, body))
         for _ in range(RETRIES):
@@ -162,6 +164,6 @@ def build(model: str, *, device: str, engine: dict, served_name: str, limits, re
             self.engines = engines_handle
 
         def __serve_build_asgi_app__(self):
-            return build_gateway(self.engines, api_keys)
+            return build_gateway(self.engines, api_keys, limits.max_body_bytes)
 
     return Gateway.bind(engines)

@@ -69,7 +69,22 @@ def _sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def _error_response(err: ApiError) -> JSONResponse:
+WRONG_KEY = ApiError(401, "missing or wrong API key: send the header Authorization: Bearer <key>",
+                     code="invalid_api_key")  # fmt: skip
+
+
+def body_refusal(method: str, length: str | None, max_bytes: int) -> ApiError | None:
+    """411 for a POST without Content-Length (a chunked body of unknown size is not read), 413 for one over
+    `max_bytes`; None when the body may be read."""
+    if method == "POST" and length is None:
+        return ApiError(411, "send the body with a Content-Length header")
+    if length is not None and (not length.isdigit() or int(length) > max_bytes):
+        return ApiError(413, f"the body has {length} bytes; this server takes at most {max_bytes} (--max-body)",
+                        code="body_too_large")  # fmt: skip
+    return None
+
+
+def error_response(err: ApiError) -> JSONResponse:
     retry = {"Retry-After": "1"} if err.status == 429 else None  # a full queue: worth retrying in a second
     body = schemas.error_body(err.message, type=err.type, param=err.param, code=err.code)
     return JSONResponse(status_code=err.status, content=body, headers=retry)
@@ -120,21 +135,16 @@ def create_app(engine, model_name: str, *, tokenizer=None, manage_engine: bool =
     async def require_a_key(request: Request, call_next):
         if keys and request.url.path != "/health" and not key_matches(request.headers.get("authorization"), keys):
             metrics.rejected.labels("401").inc()
-            error = ApiError(401, "missing or wrong API key: send the header Authorization: Bearer <key>",
-                             code="invalid_api_key")  # fmt: skip
-            return _error_response(error)
+            return error_response(WRONG_KEY)
         return await call_next(request)
 
     @app.middleware("http")
     async def bound_the_body(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if request.method == "POST" and length is None:  # a chunked body of unknown size is not read
-            return _error_response(ApiError(411, "send the body with a Content-Length header"))
-        if length is not None and (not length.isdigit() or int(length) > limits.max_body_bytes):
-            metrics.rejected.labels("413").inc()
-            error = ApiError(413, f"the body has {length} bytes; this server takes at most {limits.max_body_bytes} "
-                             "(--max-body)", code="body_too_large")  # fmt: skip
-            return _error_response(error)
+        error = body_refusal(request.method, request.headers.get("content-length"), limits.max_body_bytes)
+        if error is not None:
+            if error.status == 413:
+                metrics.rejected.labels("413").inc()
+            return error_response(error)
         return await call_next(request)
 
     @app.middleware("http")
@@ -144,7 +154,7 @@ def create_app(engine, model_name: str, *, tokenizer=None, manage_engine: bool =
             error = ApiError(503, "the server is shutting down: it finishes the requests it has and takes no new "
                              "ones; retry on another replica or after it restarts", type="server_error",
                              code="shutting_down")  # fmt: skip
-            return _error_response(error)
+            return error_response(error)
         return await call_next(request)
 
     app.add_middleware(ClientTimeouts, read_timeout=limits.read_timeout, stream_timeout=limits.stream_timeout,
@@ -153,7 +163,7 @@ def create_app(engine, model_name: str, *, tokenizer=None, manage_engine: bool =
     @app.exception_handler(ApiError)
     async def api_error(request: Request, err: ApiError) -> JSONResponse:
         metrics.rejected.labels(str(err.status)).inc()
-        return _error_response(err)
+        return error_response(err)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, err: RequestValidationError) -> JSONResponse:

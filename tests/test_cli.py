@@ -188,7 +188,12 @@ def test_ctrl_c_stops_generation_cleanly(tmp_path):
         (["eval", "--tasks", "perplexity", "--windows", "0"], "--windows"),
         (["eval", "--tasks", "perplexity", "--contexts", "10"], "--contexts"),
         (["eval", "--tasks", "perplexity", "--prefills", "both"], "--prefills"),
+        (["eval", "--tasks", "retrieval", "--samples", "0"], "--samples"),
+        (["eval", "--tasks", "retrieval", "--retrieval-tasks", "niah,quiz"], "--retrieval-tasks"),
         (["serve", "--drain-timeout", "-1"], "--drain-timeout"),
+        (["serve", "--read-timeout", "0"], "--read-timeout"),
+        (["serve", "--stream-timeout", "nan"], "--stream-timeout"),
+        (["serve", "--replicas", "0"], "--replicas"),
         (["serve", "--port", "70000"], "--port"),
     ],
 )

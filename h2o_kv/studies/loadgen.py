@@ -276,8 +276,11 @@ def _run(args: argparse.Namespace, command: str) -> int:
     from h2o_kv.studies.serve_results import write_results
 
     configs = parse_configs(args.configs)
-    if args.url and args.kv_dtype:
-        raise ValueError("--kv-dtype sets the server loadgen starts; a server given with --url keeps its own")
+    if args.url and (args.kv_dtype or args.replicas is not None):
+        raise ValueError("--kv-dtype and --replicas set the server loadgen starts; a server given with --url keeps "
+                         "its own")  # fmt: skip
+    if args.replicas is not None and args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
     for flag, value in (("--requests", args.requests), ("--prompt-tokens", args.prompt_tokens),
                         ("--max-tokens", args.max_tokens), ("--concurrency", args.concurrency or 1)):  # fmt: skip
         if value < 1:

@@ -239,6 +239,11 @@ def test_load_generator_refuses_kv_dtype_for_a_server_it_does_not_start(capsys) 
     assert loadgen.main(["--url", "http://127.0.0.1:9", "--kv-dtype", "int8", "--requests", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--kv-dtype" in err[0] and "--url" in err[0]
+    assert loadgen.main(["--url", "http://127.0.0.1:9", "--replicas", "2", "--requests", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--replicas" in err[0] and "--url" in err[0]
+    assert loadgen.main(["--replicas", "0", "--requests", "1"]) == 2
+    assert "--replicas must be >= 1" in capsys.readouterr().err
 
 
 def test_while_draining_new_requests_get_503_with_a_message(model, tokenizer) -> None:

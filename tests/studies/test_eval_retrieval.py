@@ -319,3 +319,23 @@ def test_side_by_side_sizes_build_the_kvpress_export_samples(tiny_tokenizer):
         theirs = [s for task in ret.tasks for s in export.samples_for(tiny_tokenizer, haystack, task, 512, 4, 3)]
         assert [(s.prompt, s.answers, s.depth) for s in ours] == [(s.prompt, s.answers, s.depth) for s in theirs]
     assert set(SIZES["ruler"].retrieval.tasks) | {"niah_single"} == set(export.SHORT)
+
+
+def test_kvpress_summary_reports_the_run_time_it_recorded():
+    """compare/kvpress/summary.py: the runner's per-sample seconds become a run-time line; none recorded, none shown."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "compare" / "kvpress" / "summary.py"
+    spec = importlib.util.spec_from_file_location("kvpress_summary", path)
+    summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summary)
+    one = {"score": 1.0, "kv_bytes": 10, "kv_tokens": 1, "kv_tokens_effective": 1, "prefill_s": 0.1, "decode_s": 0.1}
+    records = [{"id": f"niah-1024-0{i}", "task": "niah_single", "context_tokens": 1024,
+                "h2o_kv_budget_tokens": {"0.2": 200}} for i in range(2)]  # fmt: skip
+    state = {"cells": {"full": {"press": "full", "ratio": None, "task": "niah_single", "context": 1024,
+                                "samples": {r["id"]: one for r in records}}}}  # fmt: skip
+    assert "Run time" not in summary.markdown(summary.rows(state, records), state, records)
+    state["seconds"] = {"niah-1024-00": 60.0, "niah-1024-01": 120.0}
+    text = summary.markdown(summary.rows(state, records), state, records)
+    assert "Run time: 3.0 min over 2 samples (90 s per sample" in text

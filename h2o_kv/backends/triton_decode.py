@@ -11,11 +11,11 @@ scaled logits (one float per query head and slot, a small fraction of the bytes 
 short program per tile of slots, merges the splits into the output and the row's log-sum-exp, and turns its
 tile's logits into probabilities.
 
-`decode_evict` is the rest of a full layer's steady step, after the new token's write, for a policy that ranks
-by score with the newest tokens protected (H2O, SnapKV): the second kernel adds the probabilities to the scores in
-place and leaves each tile's eviction candidate, and a third picks each row's victim and frees its slot, so the
-step's eviction is two launches rather than a dozen small torch kernels. Shapes depend only on the storage, so a
-steady decode step replays in a CUDA graph.
+`decode_evict` is a full layer's whole steady step for a policy that ranks by score with the newest tokens protected
+(H2O, SnapKV): the first kernel also writes the new token into the slot the last step freed, the second adds the
+probabilities to the scores in place and leaves each tile's eviction candidate, and a third picks each row's
+victim and frees its slot, so the step is three launches rather than a dozen small torch kernels. Shapes depend
+only on the storage, so a steady decode step replays in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -34,11 +34,15 @@ TILES = {"cuda": dict(block=128, num_warps=4, num_stages=3, per_sm=4, merge_bloc
 
 
 @triton.jit
-def _partial(Q, K, V, KS, VS, POS, LOGITS, M, L, ACC,
-             sqb, sqh, skb, skh, sks, svb, svh, svs, ssb, ssh, spb, sph,
+def _partial(Q, K, V, KS, VS, POS, LOGITS, M, L, ACC, NK, NV, VAC, NPOS,
+             sqb, sqh, skb, skh, sks, svb, svh, svs, ssb, ssh, spb, sph, snkb, snkh, snvb, snvh, sacb, sach,
              heads, slots, split_size, scaling,
              G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, NSPLIT: tl.constexpr,
-             BLOCK: tl.constexpr, HAS_POS: tl.constexpr, INT8: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+             BLOCK: tl.constexpr, HAS_POS: tl.constexpr, INT8: tl.constexpr, IEEE: tl.constexpr,
+             WRITE: tl.constexpr):  # fmt: skip
+    """One split of a row's slots: running max, sum and weighted values, and the scaled logits. With WRITE, the new
+    token (key NK, value NV, position NPOS) goes into the row's vacant slot VAC: the split holding that slot
+    stores it, and every tile reads it in place of what the slot held."""
     bh = tl.program_id(0)
     b, h = bh // heads, bh % heads
     start = tl.program_id(1) * split_size
@@ -48,6 +52,14 @@ def _partial(Q, K, V, KS, VS, POS, LOGITS, M, L, ACC,
     dv = tl.arange(0, DV)
     grows = g < G
     q = tl.load(Q + b * sqb + (h * G + g)[:, None] * sqh + d[None, :], mask=grows[:, None], other=0.0)
+    if WRITE:
+        vac = tl.load(VAC + b * sacb + h * sach)
+        new_k = tl.load(NK + b * snkb + h * snkh + d)
+        new_v = tl.load(NV + b * snvb + h * snvh + dv)
+        if (vac >= start) & (vac < stop):  # the one split holding the slot writes the token
+            tl.store(K + b * skb + h * skh + vac * sks + d, new_k)
+            tl.store(V + b * svb + h * svh + vac * svs + dv, new_v)
+            tl.store(POS + b * spb + h * sph + vac, tl.load(NPOS + b))
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     total = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, DV], tl.float32)
@@ -55,6 +67,8 @@ def _partial(Q, K, V, KS, VS, POS, LOGITS, M, L, ACC,
         s = s0 + tl.arange(0, BLOCK)
         inside = s < stop
         k = tl.load(K + b * skb + h * skh + s[:, None] * sks + d[None, :], mask=inside[:, None], other=0)
+        if WRITE:  # this launch's own store may not be visible to its loads: the token comes from registers
+            k = tl.where((s == vac)[:, None], new_k[None, :], k)
         if IEEE:
             qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
         else:
@@ -73,6 +87,8 @@ def _partial(Q, K, V, KS, VS, POS, LOGITS, M, L, ACC,
         p = tl.exp(logit - m_safe[:, None])
         total = total * alpha + tl.sum(p, 1)
         v = tl.load(V + b * svb + h * svh + s[:, None] * svs + dv[None, :], mask=inside[:, None], other=0)
+        if WRITE:
+            v = tl.where((s == vac)[:, None], new_v[None, :], v)
         if INT8:
             p = p * tl.load(VS + b * ssb + h * ssh + s, mask=inside, other=0.0)[None, :]
         if IEEE:
@@ -218,8 +234,10 @@ def _tiles(device: torch.device) -> dict:
     return TILES["cuda" if device.type == "cuda" else "cpu"]
 
 
-def _partials(q, keys, values, pos, key_scale, value_scale, scaling):
-    """The first kernel's launch: per split, the running max, sum and weighted values, and every scaled logit."""
+def _partials(q, keys, values, pos, key_scale, value_scale, scaling, write=None):
+    """The first kernel's launch: per split, the running max, sum and weighted values, and every scaled logit.
+    `write` = (new keys [B, H, 1, D], new values, vacant slots [B, H, 1], positions [B], the layer's `pos`): the new
+    token's write into the vacant slots, fused (`pos` None then: every slot holds a token)."""
     batch, q_heads, _, dim = q.shape
     heads, slots, dv = keys.shape[1], keys.shape[2], values.shape[-1]
     group = q_heads // heads
@@ -239,13 +257,17 @@ def _partials(q, keys, values, pos, key_scale, value_scale, scaling):
     vs = value_scale.contiguous() if int8 else m
     p = pos.contiguous() if pos is not None else m
     sstr = (ks.stride(0), ks.stride(1)) if int8 else (0, 0)
-    pstr = (p.stride(0), p.stride(1)) if pos is not None else (0, 0)
+    nk, nv, vac, npos, wstr = m, m, m, m, (0,) * 6
+    if write is not None:
+        nk, nv, vac, npos, p = write
+        wstr = (nk.stride(0), nk.stride(1), nv.stride(0), nv.stride(1), vac.stride(0), vac.stride(1))
+    pstr = (p.stride(0), p.stride(1)) if p is not m else (0, 0)
     _partial[(batch * heads, nsplit)](
-        q2, keys, values, ks, vs, p, logits, m, total, acc,
+        q2, keys, values, ks, vs, p, logits, m, total, acc, nk, nv, vac, npos,
         q2.stride(0), q2.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
-        values.stride(0), values.stride(1), values.stride(2), *sstr, *pstr,
+        values.stride(0), values.stride(1), values.stride(2), *sstr, *pstr, *wstr,
         heads, slots, split_size, scaling, G=group, G_PAD=g_pad, D=dim, DV=dv, NSPLIT=nsplit,
-        BLOCK=block, HAS_POS=pos is not None, INT8=int8, IEEE=q.dtype == torch.float32,
+        BLOCK=block, HAS_POS=pos is not None, INT8=int8, IEEE=q.dtype == torch.float32, WRITE=write is not None,
         num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
     )  # fmt: skip
     return (m, total, acc, logits), dict(G=group, G_PAD=g_pad, DV=dv, NSPLIT=nsplit)
@@ -294,7 +316,7 @@ def _(q, keys, values, pos, key_scale, value_scale, scaling, want_scores, want_l
     return out, scores, q.new_empty(batch, heads, slots if want_last else 0, dtype=torch.float32)
 
 
-@torch.library.custom_op("h2o_kv::triton_decode_evict", mutates_args=("pos", "score", "vacant"))
+@torch.library.custom_op("h2o_kv::triton_decode_evict", mutates_args=("keys", "values", "pos", "score", "vacant"))
 def decode_evict(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -307,16 +329,27 @@ def decode_evict(
     scaling: float,
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
+    new_key: torch.Tensor | None = None,
+    new_value: torch.Tensor | None = None,
+    new_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A full layer's steady decode step after the new token's write, in three launches: the attention output
-    [B, 1, Hq, Dv], and in place the scores `score` [B, H, S] grown by this step's probabilities (summed over the KV
-    group), each row's victim freed (`pos` -1, score 0) and its slot in `vacant` [B, H, 1]. The victim is the
-    oldest of the row's lowest priorities, a priority being the score, or +inf for positions at or after
-    `next_pos` [B, 1, 1] minus `recent` [B, 1, 1] (`Policy.protected_recent`: H2O, SnapKV). Every slot must hold a
-    token (`Steady`'s packed layer)."""
+    """A full layer's steady decode step in three launches: the attention output [B, 1, Hq, Dv], and in place the
+    scores `score` [B, H, S] grown by this step's probabilities (summed over the KV group), each row's victim freed
+    (`pos` -1, score 0) and its slot in `vacant` [B, H, 1]. The victim is the oldest of the row's lowest
+    priorities, a priority being the score, or +inf for positions at or after `next_pos` [B, 1, 1] minus `recent`
+    [B, 1, 1] (`Policy.protected_recent`: H2O, SnapKV). Every slot must hold a token (`Steady`'s packed layer),
+    the new one written already, or given as `new_key` / `new_value` [B, H, 1, D] in the storage's dtype (float
+    storage) at positions `new_pos` [B, 1]: the first launch then writes it into the `vacant` slots (whose scores
+    the last eviction left at zero), in place of the separate scatters."""
     batch, q_heads = q.shape[:2]
     heads, slots, dv = keys.shape[1], keys.shape[2], values.shape[-1]
-    stats, meta = _partials(q, keys, values, None, key_scale, value_scale, scaling)
+    write = None
+    if new_key is not None:
+        if key_scale is not None or new_key.dtype != keys.dtype or new_value.dtype != values.dtype:
+            raise ValueError("decode_evict writes a new token only into float storage of its own dtype")
+        last_dim = lambda t: t if t.stride(-1) == 1 else t.contiguous()  # noqa: E731 (the kernel steps by 1)
+        write = (last_dim(new_key), last_dim(new_value), vacant, new_pos.reshape(batch).contiguous(), pos)
+    stats, meta = _partials(q, keys, values, None, key_scale, value_scale, scaling, write)
     out = torch.empty(batch, q_heads, dv, dtype=q.dtype, device=q.device)
     grid, block, tiles = _merge_grid(batch, heads, slots, q.device)
     cand_prio = torch.empty(batch * heads * tiles, dtype=torch.float32, device=q.device)
@@ -333,7 +366,8 @@ def decode_evict(
 
 
 @decode_evict.register_fake
-def _(q, keys, values, pos, score, vacant, next_pos, recent, scaling, key_scale=None, value_scale=None):
+def _(q, keys, values, pos, score, vacant, next_pos, recent, scaling, key_scale=None, value_scale=None, new_key=None,
+      new_value=None, new_pos=None):  # fmt: skip
     return q.new_empty(q.shape[0], 1, q.shape[1], values.shape[-1])
 
 

@@ -7,8 +7,8 @@ chunk or a growing storage needs (`_decode_full`). On a CPU with h2o-kv's C++ ke
 priority is its score with the newest tokens kept (`Policy.protected_recent`: H2O, SnapKV), the whole step
 is one C++ pass per row (`native.decode_step`): the same operations in the same order, without a kernel
 launch, a temporary tensor or a Python call per operation. Where the Triton kernels run (a GPU) and every slot
-holds a token, the same policies' step after the new token's write is `triton_decode.decode_evict`: attention,
-scores and each row's eviction in three launches. `pooled.PooledKVLayer` has its own
+holds a token, the same policies' step is `triton_decode.decode_evict`: the new token's write, attention, scores
+and each row's eviction in three launches. `pooled.PooledKVLayer` has its own
 `_decode_full` for a head-pooled row and shares `_attend_steady` and `_ranked_in_kernel`.
 """
 
@@ -45,10 +45,10 @@ class Steady:
         recent = self._ranked_in_kernel(query.dtype, query.device)
         if recent is not None:  # the same operations in one C++ pass per (sequence, KV head)
             return self._decode_fused(query, keys, values, qpos, slots, recent, scaling=scaling, softcap=softcap)
-        self._write(slots, keys, values, qpos.view(batch, 1, 1).expand(batch, heads, 1), zeroed=True)
         recent = self._ranked_in_triton(query, slots, softcap)
-        if recent is not None:  # attend, score and evict in three Triton launches
-            return self._decode_triton(query, recent, scaling=scaling)
+        if recent is not None:  # write, attend, score and evict in three Triton launches
+            return self._decode_triton(query, keys, values, qpos, recent, scaling=scaling)
+        self._write(slots, keys, values, qpos.view(batch, 1, 1).expand(batch, heads, 1), zeroed=True)
         out, valid = self._attend_steady(query, qpos, scaling=scaling, softcap=softcap)
         self._evict_one(valid, self.slot_state(self.next_pos))
         return out
@@ -91,10 +91,10 @@ class Steady:
         return self.policy.protected_recent(self.slot_state(self.next_pos))
 
     def _ranked_in_triton(self, query: torch.Tensor, slots: torch.Tensor, softcap: float | None):
-        """The policy's `protected_recent` when the rest of this steady step (the new token written into `slots`)
-        runs as `triton_decode.decode_evict`: the Triton kernels on this device, every slot holding a token
-        (`packed`), the slots the step wrote being the layer's vacant buffer, and a policy ranking by the undecayed
-        score with the newest tokens kept and no `last` (H2O, SnapKV); None otherwise."""
+        """The policy's `protected_recent` when this steady step (the new token going into `slots`) runs as
+        `triton_decode.decode_evict`: the Triton kernels on this device, every slot holding a token (`packed`),
+        the slots being the layer's vacant buffer, and a policy ranking by the undecayed score with the newest
+        tokens kept and no `last` (H2O, SnapKV); None otherwise."""
         if softcap is not None or self.packed is not self.pos or slots is not self.vacant_buffer:
             return None
         if self.last is not None or self.policy.decay != 1.0 or not use_triton(query.device):
@@ -105,14 +105,22 @@ class Steady:
             return None
         return self.policy.protected_recent(self.slot_state(self.next_pos))
 
-    def _decode_triton(self, query: torch.Tensor, recent: torch.Tensor, *, scaling: float) -> torch.Tensor:
-        """Attend, add the scores and free each row's victim into the vacant buffer (`triton_decode.decode_evict`)."""
+    def _decode_triton(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, qpos: torch.Tensor,
+                       recent: torch.Tensor, *, scaling: float) -> torch.Tensor:  # fmt: skip
+        """Write the new token into the vacant buffer's slots, attend, add the scores and free each row's victim
+        into the buffer (`triton_decode.decode_evict`; int8 storage quantizes the token in `_write` first)."""
         from h2o_kv.backends import triton_decode
 
+        new = {}
+        if self.key_scale is None:  # float storage: the kernel writes the token
+            new = dict(new_key=keys.to(self.keys.dtype), new_value=values.to(self.values.dtype), new_pos=qpos)
+        else:
+            batch, heads = self.vacant_buffer.shape[:2]
+            self._write(self.vacant_buffer, keys, values, qpos.view(batch, 1, 1).expand(batch, heads, 1), zeroed=True)
         q = query.to(compute_dtype(query.dtype, query.device))
         out = triton_decode.decode_evict(q, self.keys, self.values, self.pos, self.score, self.vacant_buffer,
                                          self.next_pos, recent, scaling=scaling, key_scale=self.key_scale,
-                                         value_scale=self.value_scale)  # fmt: skip
+                                         value_scale=self.value_scale, **new)  # fmt: skip
         self.vacant = (self.vacant_buffer, self.pos)
         self.kept_bound = min(self.kept_bound, self.max_capacity)
         return out.to(query.dtype)

@@ -74,14 +74,17 @@ def test_decode_kernel_matches_literal_attention(device, storage, group, dim, ho
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("storage", ["float32", "int8"])
+@pytest.mark.parametrize("storage", ["float32", "int8", "float32-write"])
 @pytest.mark.parametrize("recent,ties", [(3, False), (3, True), (200, True)])
 def test_decode_evict_matches_the_torch_step(device, storage, recent, ties):
     """`decode_evict` against literal attention and the torch eviction (`Steady._evict_one` on a packed layer):
     the scores grown in place, each row's victim (the oldest of its lowest priorities; ties in score, and every slot
-    protected when `recent` exceeds the row) freed, its slot in the vacant buffer."""
+    protected when `recent` exceeds the row) freed, its slot in the vacant buffer. "-write": the new token given to
+    the kernel, which writes it into the vacant slots (empty, score 0) the reference writes it into first."""
     from h2o_kv.backends.triton_decode import decode_evict
 
+    write = storage.endswith("-write")
+    storage = storage.removesuffix("-write")
     gen = torch.Generator().manual_seed(recent + ties)
     batch, heads, group, slots, dim = 2, 3, 2, 45, 16
     q = torch.randn(batch, heads * group, 1, dim, generator=gen) * 2
@@ -91,6 +94,18 @@ def test_decode_evict_matches_the_torch_step(device, storage, recent, ties):
     if ties:  # whole numbers: this step's probabilities (< 1 each) leave many rows with tied lowest scores
         score = torch.randint(0, 3, (batch, heads, slots), generator=gen).float() * 4
     next_pos = torch.tensor([61, 58]).view(batch, 1, 1)
+    new, held = {}, (k, v, pos, score)
+    if write:  # the vacant slots as the last eviction left them; the new token at position next_pos - 1
+        vac = torch.randint(0, slots, (batch, heads, 1), generator=gen)
+        new_k, new_v = torch.randn(2, batch, heads, 1, dim, generator=gen)
+        held = (k.clone(), v.clone(), pos.scatter(2, vac, -1), score.scatter(2, vac, 0.0))
+        new_pos = (next_pos - 1).view(batch, 1)
+        k, v = (
+            k.scatter(2, vac[..., None].expand(-1, -1, -1, dim), new_k),
+            v.scatter(2, vac[..., None].expand(-1, -1, -1, dim), new_v),
+        )
+        pos, score = pos.scatter(2, vac, new_pos.view(batch, 1, 1).expand(batch, heads, 1)), score.scatter(2, vac, 0.0)
+        new = dict(new_key=new_k, new_value=new_v, new_pos=new_pos)
     scales, k_ref, v_ref = (None, None), k, v
     if storage == "int8":
         (k, ks), (v, vs) = quantize(k), quantize(v)
@@ -103,11 +118,15 @@ def test_decode_evict_matches_the_torch_step(device, storage, recent, ties):
     ref_pos, ref_score = pos.scatter(2, victim, -1), ref_score.scatter(2, victim, 0.0)
 
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
-    pos_d, score_d, vacant = to(pos.clone()), to(score.clone()), to(torch.zeros(batch, heads, 1, dtype=torch.int64))
+    pos_d, score_d = to((held[2] if write else pos).clone()), to((held[3] if write else score).clone())
+    vacant = to(vac.clone() if write else torch.zeros(batch, heads, 1, dtype=torch.int64))
+    k_d, v_d = to((held[0] if write else k).clone()), to((held[1] if write else v).clone())
     recent_t = torch.tensor(recent).view(1, 1, 1)
-    out = decode_evict(to(q), to(k), to(v), pos_d, score_d, vacant, to(next_pos), to(recent_t), scaling=dim**-0.5,
-                       key_scale=to(scales[0]), value_scale=to(scales[1]))  # fmt: skip
+    new = {name: to(t) for name, t in new.items()}
+    out = decode_evict(to(q), k_d, v_d, pos_d, score_d, vacant, to(next_pos), to(recent_t), scaling=dim**-0.5,
+                       key_scale=to(scales[0]), value_scale=to(scales[1]), **new)  # fmt: skip
     torch.testing.assert_close(out.cpu().double(), ref_out.transpose(1, 2), atol=1e-5, rtol=1e-5)
+    assert torch.equal(k_d.cpu(), k) and torch.equal(v_d.cpu(), v)  # the token written; nothing else touched
     assert torch.equal(vacant.cpu(), victim)
     assert torch.equal(pos_d.cpu(), ref_pos)
     torch.testing.assert_close(score_d.cpu().double(), ref_score, atol=1e-5, rtol=1e-5)

@@ -339,3 +339,49 @@ def test_kvpress_summary_reports_the_run_time_it_recorded():
     state["seconds"] = {"niah-1024-00": 60.0, "niah-1024-01": 120.0}
     text = summary.markdown(summary.rows(state, records), state, records)
     assert "Run time: 3.0 min over 2 samples (90 s per sample" in text
+
+
+def test_side_by_side_merges_runs_later_cells_replacing_earlier_ones(tmp_path):
+    """compare/side_by_side.py over two runs per library: a cell in both comes from the later file, one in only the
+    earlier file stays; the verdict compares h2o-kv's best with kvpress's best press at or below its bytes."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def ours(path, cells):  # {(task, context, fraction, policy): (score, bytes, n)}
+        rows = [{"task": "retrieval", "prefill": "oneshot", "subtask": t, "length": c, "budget_frac": f,
+                 "policy": p, "metric": m, "value": v, "n": n}
+                for (t, c, f, p), (score, nbytes, n) in cells.items()
+                for m, v in (("score", score), ("kv_bytes", nbytes))]  # fmt: skip
+        path.write_text(json.dumps({"rows": rows}))
+
+    def theirs(path, cells):  # {(task, context, ratio, press): [scores]}
+        out = {f"{i}": {"press": p, "ratio": r, "task": t, "context": c,
+                        "samples": {f"s{j}": {"score": v, "kv_bytes": 100.0} for j, v in enumerate(vs)}}
+               for i, ((t, c, r, p), vs) in enumerate(cells.items())}  # fmt: skip
+        path.write_text(json.dumps({"cells": out}))
+
+    old = {
+        ("passkey", 2048, 1.0, "full"): (1.0, 500.0, 10),
+        ("passkey", 2048, 0.2, "snapkv"): (0.5, 100.0, 10),
+        ("niah_single", 4096, 1.0, "full"): (1.0, 900.0, 10),
+        ("niah_single", 4096, 0.2, "h2o"): (0.1, 180.0, 10),
+    }
+    new = {("niah_single", 4096, 1.0, "full"): (1.0, 900.0, 20), ("niah_single", 4096, 0.2, "h2o"): (0.9, 180.0, 20)}
+    ours(tmp_path / "a.json", old)
+    ours(tmp_path / "b.json", new)
+    theirs(
+        tmp_path / "ka.json", {("passkey", 2048, 0.8, "snapkv"): [1.0, 0.0], ("niah_single", 4096, 0.8, "tova"): [1.0]}
+    )
+    theirs(tmp_path / "kb.json", {("niah_single", 4096, 0.8, "tova"): [0.0, 1.0, 0.0, 0.0]})
+    script = Path(__file__).resolve().parents[2] / "compare" / "side_by_side.py"
+    args = ["--h2o", tmp_path / "a.json", tmp_path / "b.json", "--kvpress", tmp_path / "ka.json", tmp_path / "kb.json"]
+    subprocess.run([sys.executable, script, *map(str, args), "--out", str(tmp_path / "s.md")], check=True)
+    text = (tmp_path / "s.md").read_text()
+    assert "| h2o-kv h2o | 0.90 | 0.0 | 20 |" in text and "| kvpress tova | 0.25 | 0.0 | 4 |" in text
+    assert (
+        "h2o-kv's best: **h2o 0.90**" in text
+        and "at or above kvpress's best press at or below its bytes (tova 0.25" in text
+    )
+    assert "h2o-kv's best: **snapkv 0.50**" in text and "at or below its bytes (snapkv 0.50" in text

@@ -158,7 +158,7 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(cluster):
         pids = [m.get("process_id") for m in replicas(cluster).values()]
         return len(pids) == 2 and None not in pids and victim not in pids
 
-    wait_for(restarted, timeout=90, what="the replica restarted")
+    wait_for(restarted, timeout=240, what="the replica restarted")  # a new process loads torch and the model
     assert client(cluster).completions.create(model=MODEL, prompt="After", max_tokens=3).usage.completion_tokens == 3
 
 

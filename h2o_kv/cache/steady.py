@@ -46,9 +46,11 @@ class Steady:
         if recent is not None:  # the same operations in one C++ pass per (sequence, KV head)
             return self._decode_fused(query, keys, values, qpos, slots, recent, scaling=scaling, softcap=softcap)
         recent = self._ranked_in_triton(query, slots, softcap)
-        if recent is not None:  # write, attend, score and evict in three Triton launches
-            return self._decode_triton(query, keys, values, qpos, recent, scaling=scaling)
-        self._write(slots, keys, values, qpos.view(batch, 1, 1).expand(batch, heads, 1), zeroed=True)
+        fused_write = recent is not None and self.key_scale is None  # float storage: the Triton kernel writes
+        if not fused_write:
+            self._write(slots, keys, values, qpos.view(batch, 1, 1).expand(batch, heads, 1), zeroed=True)
+        if recent is not None:  # (write,) attend, score and evict in three Triton launches
+            return self._decode_triton(query, recent, (keys, values, qpos) if fused_write else None, scaling=scaling)
         out, valid = self._attend_steady(query, qpos, scaling=scaling, softcap=softcap)
         self._evict_one(valid, self.slot_state(self.next_pos))
         return out
@@ -105,22 +107,18 @@ class Steady:
             return None
         return self.policy.protected_recent(self.slot_state(self.next_pos))
 
-    def _decode_triton(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, qpos: torch.Tensor,
-                       recent: torch.Tensor, *, scaling: float) -> torch.Tensor:  # fmt: skip
-        """Write the new token into the vacant buffer's slots, attend, add the scores and free each row's victim
-        into the buffer (`triton_decode.decode_evict`; int8 storage quantizes the token in `_write` first)."""
+    def _decode_triton(self, query: torch.Tensor, recent: torch.Tensor, new: tuple | None, *, scaling: float):
+        """Attend, add the scores and free each row's victim into the vacant buffer (`triton_decode.decode_evict`),
+        writing first the `new` token (keys, values, positions) into the buffer's slots where given."""
         from h2o_kv.backends import triton_decode
 
-        new = {}
-        if self.key_scale is None:  # float storage: the kernel writes the token
+        if new is not None:
+            keys, values, qpos = new
             new = dict(new_key=keys.to(self.keys.dtype), new_value=values.to(self.values.dtype), new_pos=qpos)
-        else:
-            batch, heads = self.vacant_buffer.shape[:2]
-            self._write(self.vacant_buffer, keys, values, qpos.view(batch, 1, 1).expand(batch, heads, 1), zeroed=True)
         q = query.to(compute_dtype(query.dtype, query.device))
         out = triton_decode.decode_evict(q, self.keys, self.values, self.pos, self.score, self.vacant_buffer,
                                          self.next_pos, recent, scaling=scaling, key_scale=self.key_scale,
-                                         value_scale=self.value_scale, **new)  # fmt: skip
+                                         value_scale=self.value_scale, **(new or {}))  # fmt: skip
         self.vacant = (self.vacant_buffer, self.pos)
         self.kept_bound = min(self.kept_bound, self.max_capacity)
         return out.to(query.dtype)

@@ -215,6 +215,29 @@ def test_layer_on_the_triton_kernels_matches_the_reference(monkeypatch, name, sc
     assert kept_positions(layer) == ref_kept
 
 
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_steady_steps_on_the_triton_kernels_equal_the_torch_steps(monkeypatch, kv_dtype):
+    """Decode steps of full layers on `decode_evict` (which writes the new token itself into float storage; int8
+    storage is written by `_write` first) against the same steps in torch: the logits and the kept positions."""
+    if not interpreted():
+        pytest.skip("CPU tensors reach the Triton kernels only under the interpreter (test_cuda.py covers CUDA)")
+    model = make_model("llama")
+    ids = random_ids(2, 12)
+    runs = []
+    for triton in ("0", "1"):
+        monkeypatch.setenv("H2O_KV_TRITON", triton)
+        cache = h2o_kv.KVCache(h2o_kv.H2O(heavy=4, recent=4), kv_dtype=kv_dtype, compile_kernel=False)
+        with torch.inference_mode():
+            token, position, logits = prefill(model, cache, ids).argmax(-1), torch.full((2,), 12), []
+            for _ in range(6):
+                logits.append(forward(model, cache, token.view(-1, 1), positions=position.view(-1, 1)))
+                token, position = logits[-1].argmax(-1), position + 1
+        assert all(layer.packed is layer.pos for layer in cache.layers)  # the last steps were the steady ones
+        runs.append((torch.stack(logits), [kept_positions(layer) for layer in cache.layers]))
+    torch.testing.assert_close(runs[1][0], runs[0][0], atol=1e-4, rtol=1e-4)
+    assert runs[1][1] == runs[0][1]
+
+
 @pytest.mark.parametrize("triton", ["0", "1"], ids=["torch", "triton"])
 @pytest.mark.parametrize("eager_steps", [0, 2])
 def test_compiled_decode_step_equals_eager(monkeypatch, triton, eager_steps):

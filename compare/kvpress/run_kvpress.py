@@ -363,9 +363,8 @@ def main() -> None:
             continue
         began = time.perf_counter()
         results = run_sample(models, rec, todo, args.mode, eos)
-        state.setdefault("seconds", {})[rec["id"]] = state.get("seconds", {}).get(rec["id"], 0.0) + (
-            time.perf_counter() - began
-        )  # wall time per sample, summed over resumed runs (summary.md reports the total)
+        seconds = state.setdefault("seconds", {})  # wall time per sample, summed over resumed runs (for summary.md)
+        seconds[rec["id"]] = seconds.get(rec["id"], 0.0) + time.perf_counter() - began
         for cfg, res in results.items():
             cell = state["cells"].setdefault(
                 keys[cfg],

@@ -112,13 +112,11 @@ class Steady:
         writing first the `new` token (keys, values, positions) into the buffer's slots where given."""
         from h2o_kv.backends import triton_decode
 
-        if new is not None:
-            keys, values, qpos = new
-            new = dict(new_key=keys.to(self.keys.dtype), new_value=values.to(self.values.dtype), new_pos=qpos)
+        written = {} if new is None else dict(zip(("new_key", "new_value", "new_pos"), new, strict=True))
         q = query.to(compute_dtype(query.dtype, query.device))
         out = triton_decode.decode_evict(q, self.keys, self.values, self.pos, self.score, self.vacant_buffer,
                                          self.next_pos, recent, scaling=scaling, key_scale=self.key_scale,
-                                         value_scale=self.value_scale, **(new or {}))  # fmt: skip
+                                         value_scale=self.value_scale, **written)  # fmt: skip
         self.vacant = (self.vacant_buffer, self.pos)
         self.kept_bound = min(self.kept_bound, self.max_capacity)
         return out.to(query.dtype)

@@ -163,6 +163,12 @@ class Engine:
                 "finished_requests": self.finished_requests,
             }
 
+    def waiting(self) -> int:
+        """Requests submitted and not admitted yet. Reads the queue alone, so it never waits for a step (the
+        server's queue limit asks on its event loop)."""
+        with self._lock:
+            return len(self._waiting)
+
     def kv_bytes_in_use(self) -> int:
         caches = [cache for cache, _ in self._groups.values()] + [cache for _, cache in self._prefill]
         return sum(cache.nbytes() for cache in caches)

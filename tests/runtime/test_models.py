@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -82,11 +81,11 @@ def test_bundled_model_predicts_paris(bundled) -> None:
 
 
 @pytest.mark.slow
-def test_second_load_reads_safetensors_cache(bundled) -> None:
+def test_second_load_reads_safetensors_cache(bundled, capfd) -> None:
     assert (cache_dir() / "models" / "smollm2-135m" / "model.safetensors").is_file()
-    start = time.perf_counter()
+    capfd.readouterr()
     model, _ = load_model(enable_h2o=False)
-    assert time.perf_counter() - start < 15  # ~0.5 s; the GGUF conversion takes ~20 s
+    assert "converting" not in capfd.readouterr().err  # the one-time GGUF conversion says so on stderr
     assert model.config.num_hidden_layers == 30
 
 

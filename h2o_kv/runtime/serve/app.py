@@ -180,7 +180,8 @@ def create_app(engine, model_name: str, *, tokenizer=None, manage_engine: bool =
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+        # off the event loop: reading the engine's stats waits for the step in flight, and streams must not
+        return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE)
 
     @app.post("/reset_peaks", status_code=204)
     async def reset_peaks() -> Response:

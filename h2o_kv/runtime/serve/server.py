@@ -44,7 +44,7 @@ class Server(uvicorn.Server):
         (their streams end with finish_reason "cancelled" and `data: [DONE]`) and stop the engine."""
         deadline = time.monotonic() + self.drain_timeout
         while time.monotonic() < deadline:
-            stats = self.engine.stats()
+            stats = await asyncio.to_thread(self.engine.stats)  # waits for the step in flight, off the loop
             if not stats["running"] and not stats["waiting"]:
                 break
             await asyncio.sleep(0.05)

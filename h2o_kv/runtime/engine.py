@@ -153,7 +153,7 @@ class Engine:
             running = sum(len(rows) for _, rows in self._groups.values())
             return {
                 "running": running + len(self._prefill),
-                "waiting": len(self._waiting),
+                "waiting": self.waiting(),  # the queue's lock is reentrant (a Condition's RLock)
                 "kv_bytes_in_use": self.kv_bytes_in_use(),
                 "kv_bytes_reserved": self._reserved(),
                 "kv_bytes_allowed": self.kv_memory,

@@ -105,21 +105,18 @@ def test_load_64_requests_16_at_a_time_stays_within_kv_memory(model, tokenizer) 
     requests = _mixed_requests(64, seed=5)
     with running_server(model, tokenizer, kv_memory=kv_memory, max_batch=16, prefill_chunk=32) as (engine, url):
         api = client(url)
-        start = time.monotonic()
         with Sampler(engine) as sampler, ThreadPoolExecutor(16) as pool:
             futures = [pool.submit(_complete, api, r) for r in requests]
             finished, _ = wait(futures, timeout=LIMIT_S)
-        elapsed = time.monotonic() - start
         assert len(finished) == 64, f"{64 - len(finished)} requests unfinished after {LIMIT_S} s"
         results = [f.result() for f in futures]  # raises if any request failed
         stats = engine.stats()
     assert [tokens for _, _, tokens in results] == [r["max_tokens"] for r in requests]
     assert {finish for _, finish, _ in results} == {"length"}
-    assert 0 < sampler.peak["kv_bytes_in_use"] <= kv_memory
+    assert 0 < stats["kv_bytes_peak"] <= kv_memory  # the engine's own high-water mark, not a sample
     assert sampler.peak["kv_bytes_reserved"] <= kv_memory
     assert sampler.peak["waiting"] > 0 and stats["running_peak"] > 1  # memory, not count, admitted them
     assert stats["kv_bytes_in_use"] == 0 and stats["running"] == stats["waiting"] == 0
-    assert elapsed < LIMIT_S
 
 
 def _read_stream(url: str, body: dict, into: list) -> None:

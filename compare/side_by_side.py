@@ -54,17 +54,18 @@ def table(task: str, context: int, fraction: float, ours: dict, theirs: dict, fu
     for side, cells in (("h2o-kv", ours), ("kvpress", theirs)):
         for name, (score, kv_bytes, n) in sorted(cells.items(), key=lambda item: -item[1][0]):
             lines.append(f"| {side} {name} | {score:.2f} | {_mib(kv_bytes)} | {n} |")
-    best, (score, kv_bytes, _) = max(ours.items(), key=lambda item: (item[1][0], -(item[1][1] or 0)))
+    best, (score, kv_bytes, n) = max(ours.items(), key=lambda item: (item[1][0], -(item[1][1] or 0)))
     fits = {name: v for name, v in theirs.items() if kv_bytes is not None and v[1] <= kv_bytes * 1.001}
     verdicts = []
     if full:
         meets = "meets" if score >= 0.9 * full else "misses"
         verdicts.append(f"{score / full:.0%} of Full's {full:.2f} ({meets} 90 %)")
     if fits:
-        press, (press_score, press_bytes, _) = max(fits.items(), key=lambda item: item[1][0])
+        press, (press_score, press_bytes, press_n) = max(fits.items(), key=lambda item: item[1][0])
         verdict = "at or above" if score >= press_score else "below"
+        partial = "" if press_n == n else f", on {press_n} of the {n} samples: a run not finished"
         verdicts.append(f"{verdict} kvpress's best press at or below its bytes ({press} {press_score:.2f}, "
-                        f"{press_bytes / 2**20:.1f} MiB)")  # fmt: skip
+                        f"{press_bytes / 2**20:.1f} MiB{partial})")  # fmt: skip
     else:
         verdicts.append("no kvpress press at or below its bytes" if kv_bytes is not None else "bytes not measured")
     summary = f"h2o-kv's best: **{best} {score:.2f}**, {_mib(kv_bytes)} MiB: " + "; ".join(verdicts)

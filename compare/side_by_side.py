@@ -63,7 +63,7 @@ def table(task: str, context: int, fraction: float, ours: dict, theirs: dict, fu
     if fits:
         press, (press_score, press_bytes, press_n) = max(fits.items(), key=lambda item: item[1][0])
         verdict = "at or above" if score >= press_score else "below"
-        partial = "" if press_n == n else f", on {press_n} of the {n} samples: a run not finished"
+        partial = "" if press_n == n else f"; {press_n} samples to h2o-kv's {n}"
         verdicts.append(f"{verdict} kvpress's best press at or below its bytes ({press} {press_score:.2f}, "
                         f"{press_bytes / 2**20:.1f} MiB{partial})")  # fmt: skip
     else:

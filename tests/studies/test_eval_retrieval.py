@@ -385,5 +385,5 @@ def test_side_by_side_merges_runs_later_cells_replacing_earlier_ones(tmp_path):
         and "at or above kvpress's best press at or below its bytes (tova 0.25" in text
     )
     assert "h2o-kv's best: **snapkv 0.50**" in text and "at or below its bytes (snapkv 0.50" in text
-    assert "(tova 0.25, 0.0 MiB, on 4 of the 20 samples: a run not finished)" in text  # counts that differ, said
-    assert "(snapkv 0.50, 0.0 MiB, on 2 of the 10 samples: a run not finished)" in text
+    assert "(tova 0.25, 0.0 MiB; 4 samples to h2o-kv's 20)" in text  # counts that differ, said
+    assert "(snapkv 0.50, 0.0 MiB; 2 samples to h2o-kv's 10)" in text

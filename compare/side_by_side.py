@@ -63,9 +63,9 @@ def table(task: str, context: int, fraction: float, ours: dict, theirs: dict, fu
     if fits:
         press, (press_score, press_bytes, press_n) = max(fits.items(), key=lambda item: item[1][0])
         verdict = "at or above" if score >= press_score else "below"
-        partial = "" if press_n == n else f"; {press_n} samples to h2o-kv's {n}"
+        counts = "" if press_n == n else f"; {press_n} samples to h2o-kv's {n}"
         verdicts.append(f"{verdict} kvpress's best press at or below its bytes ({press} {press_score:.2f}, "
-                        f"{press_bytes / 2**20:.1f} MiB{partial})")  # fmt: skip
+                        f"{press_bytes / 2**20:.1f} MiB{counts})")  # fmt: skip
     else:
         verdicts.append("no kvpress press at or below its bytes" if kv_bytes is not None else "bytes not measured")
     summary = f"h2o-kv's best: **{best} {score:.2f}**, {_mib(kv_bytes)} MiB: " + "; ".join(verdicts)

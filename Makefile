@@ -35,12 +35,12 @@ demo: setup
 	$(WITH_VENV) $(BIN)/h2o-kv demo
 
 test: setup
-	$(BIN)/ruff check h2o_kv tests
+	$(BIN)/ruff check h2o_kv tests compare results
 	$(WITH_VENV) $(BIN)/python -m pytest -q -n 2 --durations=25  # pytest-xdist: the tests over two processes
 
 lint: setup
-	$(BIN)/ruff check h2o_kv tests
-	$(BIN)/ruff format --check h2o_kv tests
+	$(BIN)/ruff check h2o_kv tests compare results
+	$(BIN)/ruff format --check h2o_kv tests compare results
 
 eval: setup
 	$(BIN)/h2o-kv eval --out results/eval

@@ -74,8 +74,13 @@ def table(task: str, context: int, fraction: float, ours: dict, theirs: dict, fu
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--h2o", required=True, nargs="+", help="h2o-kv eval's results.json (several: a later "
-                        "file's cells replace an earlier one's of the same task, context and budget)")
+    parser.add_argument(
+        "--h2o",
+        required=True,
+        nargs="+",
+        help="h2o-kv eval's results.json (several: a later "
+        "file's cells replace an earlier one's of the same task, context and budget)",
+    )
     parser.add_argument("--kvpress", required=True, nargs="+", help="run_kvpress.py's results.json (merged so too)")
     parser.add_argument("--out", required=True, help="the markdown file to write")
     args = parser.parse_args()

@@ -119,8 +119,11 @@ def markdown(table: list[dict], state: dict, records: list[dict]) -> str:
     seconds = state.get("seconds", {})
     if seconds:  # runs before the runner timed its samples have none
         total = sum(seconds.values())
-        lines[-1:-1] = ["", f"Run time: {total / 60:.1f} min over {len(seconds)} samples "
-                        f"({total / len(seconds):.0f} s per sample, all its configurations)."]
+        lines[-1:-1] = [
+            "",
+            f"Run time: {total / 60:.1f} min over {len(seconds)} samples "
+            f"({total / len(seconds):.0f} s per sample, all its configurations).",
+        ]
     full = [r for r in table if r["press"] == "full"]
     for kept in sorted({r["kept_frac"] for r in table if r["press"] != "full"}, reverse=True):
         rs = full + [r for r in table if r["kept_frac"] == kept and r["press"] != "full"]

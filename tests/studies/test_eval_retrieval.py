@@ -354,7 +354,7 @@ def test_side_by_side_merges_runs_later_cells_replacing_earlier_ones(tmp_path):
                  "policy": p, "metric": m, "value": v, "n": n}
                 for (t, c, f, p), (score, nbytes, n) in cells.items()
                 for m, v in (("score", score), ("kv_bytes", nbytes))]  # fmt: skip
-        path.write_text(json.dumps({"rows": rows}))
+        path.write_text(json.dumps({"meta": {"model": "/cache/models/qwen-a"}, "rows": rows}))
 
     def theirs(path, cells):  # {(task, context, ratio, press): [scores]}
         out = {f"{i}": {"press": p, "ratio": r, "task": t, "context": c,
@@ -387,3 +387,10 @@ def test_side_by_side_merges_runs_later_cells_replacing_earlier_ones(tmp_path):
     assert "h2o-kv's best: **snapkv 0.50**" in text and "at or below its bytes (snapkv 0.50" in text
     assert "(tova 0.25, 0.0 MiB; 4 samples to h2o-kv's 20)" in text  # counts that differ, said
     assert "(snapkv 0.50, 0.0 MiB; 2 samples to h2o-kv's 10)" in text
+    assert "Model: `qwen-a`." in text  # kvpress's files record none here; h2o-kv's names it
+    (tmp_path / "kc.json").write_text(json.dumps({"meta": {"model_dir": "/cache/models/qwen-b"}, "cells": {}}))
+    args[-1] = tmp_path / "kc.json"  # a kvpress run of another model: refused in one line
+    run = subprocess.run([sys.executable, script, *map(str, args), "--out", str(tmp_path / "t.md")],
+                         capture_output=True, text=True)  # fmt: skip
+    assert run.returncode == 2 and "the inputs ran different models" in run.stderr and "qwen-b" in run.stderr
+    assert not (tmp_path / "t.md").exists()

@@ -1,0 +1,96 @@
+"""The scripts under compare/ that put h2o-kv's and kvpress's results side by side, run on made-up results."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from h2o_kv.studies.eval.cells import Cells
+
+COMPARE = Path(__file__).resolve().parents[2] / "compare"
+
+
+def test_side_by_side_merges_runs_later_cells_replacing_earlier_ones(tmp_path):
+    """compare/side_by_side.py over two runs per library: a cell in both comes from the later file, one in only the
+    earlier file stays; the verdict compares h2o-kv's best with kvpress's best press at or below its bytes."""
+
+    def ours(path, cells):  # {(task, context, fraction, policy): (score, bytes, n)}
+        rows = [{"task": "retrieval", "prefill": "oneshot", "subtask": t, "length": c, "budget_frac": f,
+                 "policy": p, "metric": m, "value": v, "n": n}
+                for (t, c, f, p), (score, nbytes, n) in cells.items()
+                for m, v in (("score", score), ("kv_bytes", nbytes))]  # fmt: skip
+        path.write_text(json.dumps({"meta": {"model": "/cache/models/qwen-a"}, "rows": rows}))
+
+    def theirs(path, cells):  # {(task, context, ratio, press): [scores]}
+        out = {f"{i}": {"press": p, "ratio": r, "task": t, "context": c,
+                        "samples": {f"s{j}": {"score": v, "kv_bytes": 100.0} for j, v in enumerate(vs)}}
+               for i, ((t, c, r, p), vs) in enumerate(cells.items())}  # fmt: skip
+        path.write_text(json.dumps({"cells": out}))
+
+    old = {
+        ("passkey", 2048, 1.0, "full"): (1.0, 500.0, 10),
+        ("passkey", 2048, 0.2, "snapkv"): (0.5, 100.0, 10),
+        ("niah_single", 4096, 1.0, "full"): (1.0, 900.0, 10),
+        ("niah_single", 4096, 0.2, "h2o"): (0.1, 180.0, 10),
+    }
+    new = {("niah_single", 4096, 1.0, "full"): (1.0, 900.0, 20), ("niah_single", 4096, 0.2, "h2o"): (0.9, 180.0, 20)}
+    ours(tmp_path / "a.json", old)
+    ours(tmp_path / "b.json", new)
+    theirs(
+        tmp_path / "ka.json", {("passkey", 2048, 0.8, "snapkv"): [1.0, 0.0], ("niah_single", 4096, 0.8, "tova"): [1.0]}
+    )
+    theirs(tmp_path / "kb.json", {("niah_single", 4096, 0.8, "tova"): [0.0, 1.0, 0.0, 0.0]})
+    script = COMPARE / "side_by_side.py"
+    args = ["--h2o", tmp_path / "a.json", tmp_path / "b.json", "--kvpress", tmp_path / "ka.json", tmp_path / "kb.json"]
+    subprocess.run([sys.executable, script, *map(str, args), "--out", str(tmp_path / "s.md")], check=True)
+    text = (tmp_path / "s.md").read_text()
+    assert "| h2o-kv h2o | 0.90 | 0.0 | 20 |" in text and "| kvpress tova | 0.25 | 0.0 | 4 |" in text
+    assert (
+        "h2o-kv's best: **h2o 0.90**" in text
+        and "at or above kvpress's best press at or below its bytes (tova 0.25" in text
+    )
+    assert "h2o-kv's best: **snapkv 0.50**" in text and "at or below its bytes (snapkv 0.50" in text
+    assert "(tova 0.25, 0.0 MiB; 4 samples to h2o-kv's 20)" in text  # counts that differ, said
+    assert "(snapkv 0.50, 0.0 MiB; 2 samples to h2o-kv's 10)" in text
+    assert "Model: `qwen-a`." in text  # kvpress's files record none here; h2o-kv's names it
+    (tmp_path / "kc.json").write_text(json.dumps({"meta": {"model_dir": "/cache/models/qwen-b"}, "cells": {}}))
+    args[-1] = tmp_path / "kc.json"  # a kvpress run of another model: refused in one line
+    run = subprocess.run([sys.executable, script, *map(str, args), "--out", str(tmp_path / "t.md")],
+                         capture_output=True, text=True)  # fmt: skip
+    assert run.returncode == 2 and "the inputs ran different models" in run.stderr and "qwen-b" in run.stderr
+    assert not (tmp_path / "t.md").exists()
+
+
+def test_per_sample_pairs_samples_by_depth_and_names_those_that_differ(tmp_path):
+    """compare/per_sample.py pairs h2o-kv's stored cells (written by the eval's own Cells) with kvpress's
+    per-sample scores through the samples file, per budget, and refuses cells of another model."""
+    depths = [0.25, 0.75]
+    cells = Cells(tmp_path / "cells", {"model": "/cache/models/qwen-a", "seed": 0})
+    for policy, budget, scores in (("tova", 0.1, [1.0, 0.0]), ("tova", 0.2, [1.0, 1.0]), ("h2o", 0.1, [0.0, 0.0])):
+        for depth, value in zip(depths, scores, strict=True):
+            name = {"kind": "retrieval-sample", "subtask": "niah_single", "context": 2048, "depth": depth,
+                    "policy": policy, "budget": budget}  # fmt: skip
+            cells.put(name, [{"answer": "x", "score": value, "kv_bytes": 1}])
+    samples = [{"id": f"niah-2048-{i}", "task": "niah_single", "context_tokens": 2048, "depth": d}
+               for i, d in enumerate(depths)]  # fmt: skip
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in samples))
+    press = {"0": {"press": "tova_per_kv_head", "ratio": 0.9, "samples": {"niah-2048-0": {"score": 1.0},
+                                                                          "niah-2048-1": {"score": 1.0}}},
+             "1": {"press": "tova_per_kv_head", "ratio": 0.8, "samples": {"niah-2048-1": {"score": 1.0}}},
+             "2": {"press": "full", "ratio": None, "samples": {"niah-2048-0": {"score": 1.0}}}}  # fmt: skip
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"meta": {"model_dir": "/elsewhere/qwen-a"}, "cells": press}))
+    args = ["--h2o-cells", tmp_path / "cells", "--policy", "tova", "--kvpress", results, "--press",
+            "tova_per_kv_head", "--samples", tmp_path / "samples.jsonl"]  # fmt: skip
+    run = subprocess.run([sys.executable, COMPARE / "per_sample.py", *map(str, args)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == [
+        "10% kept: 1 of 2 samples score the same",
+        "  niah_single 2048 depth 0.750: h2o-kv 0.00, kvpress 1.00",
+        "20% kept: 1 of 1 samples score the same",
+    ]
+    results.write_text(json.dumps({"meta": {"model_dir": "/cache/models/qwen-b"}, "cells": press}))
+    run = subprocess.run([sys.executable, COMPARE / "per_sample.py", *map(str, args)], capture_output=True, text=True)
+    assert run.returncode == 2 and "the cells ran qwen-a, kvpress ran qwen-b" in run.stderr

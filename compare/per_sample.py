@@ -8,7 +8,7 @@ side_by_side.py compares means; this says whether two methods answer the same sa
 claim like "kvpress's TOVA ranked per KV head is h2o-kv's TOVA" needs. It reads h2o-kv's stored eval cells (one
 file per sample, policy and budget under `OUT/cells/`, written by `h2o-kv eval --out OUT`; git-ignored, so rerun
 the eval command with `--resume` to get them), run_kvpress.py's results.json (per-sample scores) and the samples
-file it ran, pairs the samples by task, context and needle depth, and prints, per budget, how many pairs score the
+file it ran, pairs the samples by task, context and seed, and prints, per budget, how many pairs score the
 same and which differ.
 """
 
@@ -21,8 +21,8 @@ from pathlib import Path
 PRESS_FRACTION = {0.8: 0.2, 0.9: 0.1}  # kvpress's compression ratio -> the fraction of the prompt kept
 
 
-def h2o_scores(cells: Path, policy: str) -> tuple[dict[tuple[float, str, int, float], float], set[str]]:
-    """{(fraction kept, task, context, depth): score} for one policy from h2o-kv's cell files (oneshot retrieval),
+def h2o_scores(cells: Path, policy: str) -> tuple[dict[tuple[float, str, int, int], float], set[str]]:
+    """{(fraction kept, task, context, sample seed): score} for one policy from h2o-kv's cell files (oneshot retrieval),
     and the models the cells ran (the model folder's name)."""
     out, models = {}, set()
     for path in sorted(cells.glob("*.json")):
@@ -32,11 +32,11 @@ def h2o_scores(cells: Path, policy: str) -> tuple[dict[tuple[float, str, int, fl
             continue
         (row,) = stored["rows"]  # one sample per cell
         models.add(Path(key["model"]).name)
-        out[(round(key["budget"], 6), key["subtask"], key["context"], round(key["depth"], 6))] = row["score"]
+        out[(round(key["budget"], 6), key["subtask"], key["context"], key["sample_seed"])] = row["score"]
     return out, models
 
 
-def kvpress_scores(results: Path, press: str, samples: dict[str, dict]) -> dict[tuple[float, str, int, float], float]:
+def kvpress_scores(results: Path, press: str, samples: dict[str, dict]) -> dict[tuple[float, str, int, int], float]:
     """The same keys from run_kvpress.py's results.json; `samples` maps its sample ids to their records."""
     out = {}
     for cell in json.loads(results.read_text())["cells"].values():
@@ -45,19 +45,19 @@ def kvpress_scores(results: Path, press: str, samples: dict[str, dict]) -> dict[
         fraction = PRESS_FRACTION[round(cell["ratio"], 6)]
         for sid, result in cell["samples"].items():
             rec = samples[sid]
-            out[(fraction, rec["task"], rec["context_tokens"], round(rec["depth"], 6))] = result["score"]
+            out[(fraction, rec["task"], rec["context_tokens"], rec["seed"])] = result["score"]
     return out
 
 
-def compare(ours: dict, theirs: dict) -> list[str]:
-    """Per budget: pairs that score the same out of the samples both ran, then the pairs that differ."""
+def compare(ours: dict, theirs: dict, ids: dict[tuple[str, int, int], str]) -> list[str]:
+    """Per budget: pairs that score the same out of the samples both ran, then the pairs that differ (by the
+    sample's id in the samples file; `ids` maps (task, context, seed) to it)."""
     lines = []
     for fraction in sorted({k[0] for k in theirs}):
         both = sorted(k for k in theirs if k[0] == fraction and k in ours)
         differ = [k for k in both if ours[k] != theirs[k]]
         lines.append(f"{fraction:.0%} kept: {len(both) - len(differ)} of {len(both)} samples score the same")
-        lines += [f"  {t} {c} depth {d:.3f}: h2o-kv {ours[k]:.2f}, kvpress {theirs[k]:.2f}" for k in differ
-                  for _, t, c, d in [k]]  # fmt: skip
+        lines += [f"  {ids[k[1:]]}: h2o-kv {ours[k]:.2f}, kvpress {theirs[k]:.2f}" for k in differ]
     return lines
 
 
@@ -69,6 +69,8 @@ def main() -> None:
     parser.add_argument("--press", required=True, help="the kvpress press as run_kvpress.py names it")
     parser.add_argument("--samples", required=True, type=Path, help="the samples file kvpress ran (export_samples.py)")
     args = parser.parse_args()
+    if not args.h2o_cells.is_dir():
+        parser.error(f"{args.h2o_cells} is not a folder (rerun the eval command with --resume to write its cells)")
     records = [json.loads(line) for line in args.samples.read_text().splitlines() if line.strip()]
     ours, models = h2o_scores(args.h2o_cells, args.policy)
     theirs_model = Path(json.loads(args.kvpress.read_text())["meta"]["model_dir"]).name
@@ -77,7 +79,8 @@ def main() -> None:
     theirs = kvpress_scores(args.kvpress, args.press, {r["id"]: r for r in records})
     if not ours or not theirs:
         parser.error(f"nothing to pair: {len(ours)} cells of {args.policy}, {len(theirs)} scores of {args.press}")
-    print("\n".join(compare(ours, theirs)))
+    ids = {(r["task"], r["context_tokens"], r["seed"]): r["id"] for r in records}
+    print("\n".join(compare(ours, theirs, ids)))
 
 
 if __name__ == "__main__":

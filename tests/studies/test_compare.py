@@ -65,16 +65,16 @@ def test_side_by_side_merges_runs_later_cells_replacing_earlier_ones(tmp_path):
 
 def test_per_sample_pairs_samples_by_depth_and_names_those_that_differ(tmp_path):
     """compare/per_sample.py pairs h2o-kv's stored cells (written by the eval's own Cells) with kvpress's
-    per-sample scores through the samples file, per budget, and refuses cells of another model."""
-    depths = [0.25, 0.75]
+    per-sample scores through the samples file's seeds, per budget, and refuses cells of another model."""
+    seeds = [11, 12]
     cells = Cells(tmp_path / "cells", {"model": "/cache/models/qwen-a", "seed": 0})
     for policy, budget, scores in (("tova", 0.1, [1.0, 0.0]), ("tova", 0.2, [1.0, 1.0]), ("h2o", 0.1, [0.0, 0.0])):
-        for depth, value in zip(depths, scores, strict=True):
-            name = {"kind": "retrieval-sample", "subtask": "niah_single", "context": 2048, "depth": depth,
+        for seed, value in zip(seeds, scores, strict=True):
+            name = {"kind": "retrieval-sample", "subtask": "niah_single", "context": 2048, "sample_seed": seed,
                     "policy": policy, "budget": budget}  # fmt: skip
             cells.put(name, [{"answer": "x", "score": value, "kv_bytes": 1}])
-    samples = [{"id": f"niah-2048-{i}", "task": "niah_single", "context_tokens": 2048, "depth": d}
-               for i, d in enumerate(depths)]  # fmt: skip
+    samples = [{"id": f"niah-2048-{i}", "task": "niah_single", "context_tokens": 2048, "seed": s}
+               for i, s in enumerate(seeds)]  # fmt: skip
     (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in samples))
     press = {"0": {"press": "tova_per_kv_head", "ratio": 0.9, "samples": {"niah-2048-0": {"score": 1.0},
                                                                           "niah-2048-1": {"score": 1.0}}},
@@ -88,7 +88,7 @@ def test_per_sample_pairs_samples_by_depth_and_names_those_that_differ(tmp_path)
     assert run.returncode == 0, run.stderr
     assert run.stdout.splitlines() == [
         "10% kept: 1 of 2 samples score the same",
-        "  niah_single 2048 depth 0.750: h2o-kv 0.00, kvpress 1.00",
+        "  niah-2048-1: h2o-kv 0.00, kvpress 1.00",
         "20% kept: 1 of 1 samples score the same",
     ]
     results.write_text(json.dumps({"meta": {"model_dir": "/cache/models/qwen-b"}, "cells": press}))

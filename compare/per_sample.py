@@ -18,7 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
-PRESS_FRACTION = {0.8: 0.2, 0.9: 0.1}  # kvpress's compression ratio -> the fraction of the prompt kept
+from side_by_side import PRESS_FRACTION  # compare/ is on the path when run as a script, as run_kvpress's imports
 
 
 def h2o_scores(cells: Path, policy: str) -> tuple[dict[tuple[float, str, int, int], float], set[str]]:

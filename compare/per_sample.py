@@ -18,7 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
-from side_by_side import PRESS_FRACTION  # compare/ is on the path when run as a script, as run_kvpress's imports
+from side_by_side import PRESS_FRACTION, model_of  # compare/ is on the path when run as a script
 
 
 def h2o_scores(cells: Path, policy: str) -> tuple[dict[tuple[float, str, int, int], float], set[str]]:
@@ -73,7 +73,7 @@ def main() -> None:
         parser.error(f"{args.h2o_cells} is not a folder (rerun the eval command with --resume to write its cells)")
     records = [json.loads(line) for line in args.samples.read_text().splitlines() if line.strip()]
     ours, models = h2o_scores(args.h2o_cells, args.policy)
-    theirs_model = Path(json.loads(args.kvpress.read_text())["meta"]["model_dir"]).name
+    theirs_model = model_of(str(args.kvpress))
     if models - {theirs_model}:
         parser.error(f"the cells ran {', '.join(sorted(models))}, kvpress ran {theirs_model}")
     theirs = kvpress_scores(args.kvpress, args.press, {r["id"]: r for r in records})

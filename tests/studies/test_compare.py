@@ -63,7 +63,7 @@ def test_side_by_side_merges_runs_later_cells_replacing_earlier_ones(tmp_path):
     assert not (tmp_path / "t.md").exists()
 
 
-def test_per_sample_pairs_samples_by_depth_and_names_those_that_differ(tmp_path):
+def test_per_sample_pairs_samples_by_seed_and_names_those_that_differ(tmp_path):
     """compare/per_sample.py pairs h2o-kv's stored cells (written by the eval's own Cells) with kvpress's
     per-sample scores through the samples file's seeds, per budget, and refuses cells of another model."""
     seeds = [11, 12]

@@ -124,6 +124,14 @@ def _read_stream(url: str, body: dict, into: list) -> None:
         into.extend(line for line in response.iter_lines() if line)
 
 
+def _release_when_draining(url: str, lock: threading.Lock) -> None:
+    """Release `lock` once the server answers 503 (it drains), or after 10 s whatever it answers."""
+    try:
+        wait_for(lambda: httpx.get(f"{url}/health", timeout=10).status_code == 503, what="the drain")
+    finally:
+        lock.release()
+
+
 def test_shutdown_drains_short_streams_and_ends_long_ones_cleanly(model, tokenizer) -> None:
     short, long = [], []
     body = {"model": MODEL, "prompt": "Hello", "temperature": 0, "stream": True}
@@ -134,8 +142,16 @@ def test_shutdown_drains_short_streams_and_ends_long_ones_cleanly(model, tokeniz
         ]
         threads[0].start()
         wait_for(lambda: len(long) >= 2, what="the long stream to start")
-        threads[1].start()
-        wait_for(lambda: engine.stats()["running"] == 2, what="both requests to run")
+        # The engine is held between steps until the server drains, so the short request is still queued when
+        # the shutdown starts, however fast the machine (polling for both to run raced a 12-token request).
+        engine._state.acquire()
+        release = threading.Thread(target=_release_when_draining, args=(url, engine._state))
+        try:
+            threads[1].start()
+            wait_for(lambda: engine.waiting() == 1, what="the short request to queue")
+        finally:
+            release.start()
+    release.join(timeout=30)
     for thread in threads:  # the server is down: both streams must have ended on their own
         thread.join(timeout=30)
         assert not thread.is_alive()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -88,21 +89,28 @@ def test_a_client_that_goes_away_frees_its_replica(cluster):
     assert sum(m["generated_tokens"] for m in replicas(cluster).values()) - before < 3500
 
 
-def _hold(url: str, user: str) -> concurrent.futures.Future:
-    """A long stream (ignore_eos) in a thread, so its replica holds a large KV reservation for a while."""
+def _hold(url: str, user: str, stop: threading.Event) -> concurrent.futures.Future:
+    """A long stream (ignore_eos) in a thread, so its replica holds a large KV reservation until `stop` is set;
+    then the client hangs up (the replica cancels it), so the test does not wait for 1,500 tokens."""
     api = client(url)
 
     def run() -> int:
-        stream = api.completions.create(model=MODEL, prompt="word " * 200, max_tokens=1500, temperature=0,
-                                        stream=True, user=user, extra_body={"ignore_eos": True})  # fmt: skip
-        return sum(1 for _ in stream)
+        chunks = 0
+        with api.completions.create(model=MODEL, prompt="word " * 200, max_tokens=1500, temperature=0, stream=True,
+                                    user=user, extra_body={"ignore_eos": True}) as stream:  # fmt: skip
+            for _ in stream:
+                chunks += 1
+                if stop.is_set():
+                    break
+        return chunks
 
     return concurrent.futures.ThreadPoolExecutor(1).submit(run)
 
 
 def test_requests_go_to_the_replica_with_room_and_sessions_stick(cluster):
     api = client(cluster)
-    held = _hold(cluster, "alice")
+    stop = threading.Event()
+    held = _hold(cluster, "alice", stop)
     wait_for(lambda: any(m["kv_bytes_reserved"] > 0 for m in replicas(cluster).values()), timeout=30,
              what="the long request's reservation reported")  # fmt: skip
     stats = replicas(cluster)
@@ -116,6 +124,7 @@ def test_requests_go_to_the_replica_with_room_and_sessions_stick(cluster):
     api.completions.create(model=MODEL, prompt="Again", max_tokens=3, user="alice")  # alice's replica, though full
     wait_for(lambda: finished(cluster)[busy] == before[busy] + 1, timeout=30, what="alice's request on her replica")
     assert finished(cluster)[free] == before[free] + 4
+    stop.set()
     assert held.result(timeout=120) > 0
 
 

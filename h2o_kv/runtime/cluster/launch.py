@@ -4,6 +4,7 @@ the serving study, on an ephemeral loopback port, and takes everything down on e
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -27,6 +28,9 @@ def start(
     if ray_address and ray_address != "local":
         ray.init(address=ray_address, log_to_driver=False)
     else:  # a private Ray on this machine, reachable on loopback only
+        # Serve kills an HTTP proxy not ready within 5 s, and serve.start then fails; a proxy starting on a busy
+        # machine takes longer, so the Ray started here allows a minute (its processes inherit this variable)
+        os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
         ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": host, "port": port})
     app = build(model, device=device, engine=engine, served_name=served_name, limits=limits, replicas=replicas,

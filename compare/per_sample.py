@@ -23,8 +23,10 @@ from side_by_side import PRESS_FRACTION, model_of  # compare/ is on the path whe
 
 def h2o_scores(cells: Path, policy: str) -> tuple[dict[tuple[float, str, int, int], float], set[str]]:
     """{(fraction kept, task, context, sample seed): score} for one policy from h2o-kv's cell files (oneshot retrieval),
-    and the models the cells ran (the model folder's name)."""
-    out, models = {}, set()
+    and the models the cells ran (the model folder's name). Raises ValueError where two cells score the same sample
+    and budget: a folder that also holds an earlier run's cells (another source digest, mode or version), whose
+    scores would otherwise be taken in file order."""
+    out, models, seen = {}, set(), {}
     for path in sorted(cells.glob("*.json")):
         stored = json.loads(path.read_text())
         key = json.loads(stored["key"])
@@ -32,7 +34,13 @@ def h2o_scores(cells: Path, policy: str) -> tuple[dict[tuple[float, str, int, in
             continue
         (row,) = stored["rows"]  # one sample per cell
         models.add(Path(key["model"]).name)
-        out[(round(key["budget"], 6), key["subtask"], key["context"], key["sample_seed"])] = row["score"]
+        pair = (round(key["budget"], 6), key["subtask"], key["context"], key["sample_seed"])
+        if pair in seen:
+            differ = sorted(k for k in key.keys() | seen[pair].keys() if key.get(k) != seen[pair].get(k))
+            raise ValueError(f"two cells of {policy} for one sample ({key['subtask']}, {key['context']} tokens, seed "
+                             f"{key['sample_seed']}, {pair[0]:.0%}) that differ in {', '.join(differ)}: the folder "
+                             "holds more than one run; give one run's cells")  # fmt: skip
+        seen[pair], out[pair] = key, row["score"]
     return out, models
 
 
@@ -72,7 +80,10 @@ def main() -> None:
     if not args.h2o_cells.is_dir():
         parser.error(f"{args.h2o_cells} is not a folder (rerun the eval command with --resume to write its cells)")
     records = [json.loads(line) for line in args.samples.read_text().splitlines() if line.strip()]
-    ours, models = h2o_scores(args.h2o_cells, args.policy)
+    try:
+        ours, models = h2o_scores(args.h2o_cells, args.policy)
+    except ValueError as err:
+        parser.error(str(err))
     theirs_model = model_of(str(args.kvpress))
     if models - {theirs_model}:
         parser.error(f"the cells ran {', '.join(sorted(models))}, kvpress ran {theirs_model}")

@@ -26,7 +26,7 @@ def h2o_scores(cells: Path, policy: str) -> tuple[dict[tuple[float, str, int, in
     and the models the cells ran (the model folder's name). Raises ValueError where two cells score the same sample
     and budget: a folder that also holds an earlier run's cells (another source digest, mode or version), whose
     scores would otherwise be taken in file order."""
-    out, models, seen = {}, set(), {}
+    models, seen = set(), {}  # seen: {pair: (the cell's key, its score)}
     for path in sorted(cells.glob("*.json")):
         stored = json.loads(path.read_text())
         key = json.loads(stored["key"])
@@ -36,12 +36,13 @@ def h2o_scores(cells: Path, policy: str) -> tuple[dict[tuple[float, str, int, in
         models.add(Path(key["model"]).name)
         pair = (round(key["budget"], 6), key["subtask"], key["context"], key["sample_seed"])
         if pair in seen:
-            differ = sorted(k for k in key.keys() | seen[pair].keys() if key.get(k) != seen[pair].get(k))
+            other = seen[pair][0]
+            differ = sorted(k for k in key.keys() | other.keys() if key.get(k) != other.get(k))
             raise ValueError(f"two cells of {policy} for one sample ({key['subtask']}, {key['context']} tokens, seed "
                              f"{key['sample_seed']}, {pair[0]:.0%}) that differ in {', '.join(differ)}: the folder "
                              "holds more than one run; give one run's cells")  # fmt: skip
-        seen[pair], out[pair] = key, row["score"]
-    return out, models
+        seen[pair] = key, row["score"]
+    return {pair: score for pair, (_, score) in seen.items()}, models
 
 
 def kvpress_scores(results: Path, press: str, samples: dict[str, dict]) -> dict[tuple[float, str, int, int], float]:

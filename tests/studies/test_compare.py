@@ -84,7 +84,12 @@ def test_per_sample_pairs_samples_by_seed_and_names_those_that_differ(tmp_path):
     results.write_text(json.dumps({"meta": {"model_dir": "/elsewhere/qwen-a"}, "cells": press}))
     args = ["--h2o-cells", tmp_path / "cells", "--policy", "tova", "--kvpress", results, "--press",
             "tova_per_kv_head", "--samples", tmp_path / "samples.jsonl"]  # fmt: skip
-    run = subprocess.run([sys.executable, COMPARE / "per_sample.py", *map(str, args)], capture_output=True, text=True)
+
+    def per_sample() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, COMPARE / "per_sample.py", *map(str, args)], capture_output=True,
+                              text=True)  # fmt: skip
+
+    run = per_sample()
     assert run.returncode == 0, run.stderr
     assert run.stdout.splitlines() == [
         "10% kept: 1 of 2 samples score the same",
@@ -92,12 +97,12 @@ def test_per_sample_pairs_samples_by_seed_and_names_those_that_differ(tmp_path):
         "20% kept: 1 of 1 samples score the same",
     ]
     results.write_text(json.dumps({"meta": {"model_dir": "/cache/models/qwen-b"}, "cells": press}))
-    run = subprocess.run([sys.executable, COMPARE / "per_sample.py", *map(str, args)], capture_output=True, text=True)
+    run = per_sample()
     assert run.returncode == 2 and "the cells ran qwen-a, kvpress ran qwen-b" in run.stderr
     # an earlier run's cell of the same sample and budget (another source digest) beside these: refused, not mixed
     results.write_text(json.dumps({"meta": {"model_dir": "/elsewhere/qwen-a"}, "cells": press}))
     Cells(tmp_path / "cells", {"model": "/cache/models/qwen-a", "seed": 0, "code": "old"}).put(
         {"kind": "retrieval-sample", "subtask": "niah_single", "context": 2048, "sample_seed": 12, "policy": "tova",
          "budget": 0.1}, [{"answer": "y", "score": 1.0, "kv_bytes": 1}])  # fmt: skip
-    run = subprocess.run([sys.executable, COMPARE / "per_sample.py", *map(str, args)], capture_output=True, text=True)
+    run = per_sample()
     assert run.returncode == 2 and "differ in code: the folder holds more than one run" in run.stderr, run.stderr

@@ -2,11 +2,16 @@
 
 `KVCache` is what users pass as `past_key_values`. Its `update` hands each layer's new keys to
 the h2o-kv attention call that follows (see attention.py); the layers do the work (layer.py).
-It also lets a serving engine move whole sequences in and out of a running batch
-(`append_rows`, `select_rows`).
+
+What a serving runtime may use, and all it may use (it reads no layer's fields): sequences in and out of a
+running batch (`write_rows`, `free_rows`), a copy of some sequences (`fork`), whether the next decode step has
+fixed shapes (`steady`) and the bookkeeping of a replayed one (`note_replayed_step`), and what a sequence holds
+(`row_stats`, `nbytes`, `kept_per_head`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from transformers.cache_utils import Cache
@@ -124,6 +129,18 @@ class KVCache(Cache):
         for layer in self.layers:
             layer.select_rows(rows)
 
+    def free_rows(self, rows: list[int]) -> None:
+        """Let these sequences go: the others keep their order (row i of those left is the i-th survivor)."""
+        gone = set(rows)
+        self.select_rows([row for row in range(self.batch_size) if row not in gone])
+
+    def write_rows(self, other: KVCache) -> range:
+        """Take in the sequences of `other` (same policy and mode, same model, prompt seen) after this cache's;
+        returns the rows they now hold. `other` is spent: its storage now belongs to this cache."""
+        first = self.batch_size
+        self.append_rows(other)
+        return range(first, self.batch_size)
+
     def append_rows(self, other: KVCache) -> None:
         """Move the sequences of `other` (same policy and mode, same model, prompt seen) after this cache's."""
         if (other.policy, other.mode, other.settings.kv_dtype) != (self.policy, self.mode, self.settings.kv_dtype):
@@ -136,7 +153,52 @@ class KVCache(Cache):
         for mine, theirs in zip(self.layers, other.layers):
             mine.append_rows(theirs)
 
+    def fork(self, rows: list[int] | None = None) -> KVCache:
+        """A new cache holding copies of these sequences (all by default): their kept slots, positions, scores and
+        budgets, so each copy goes on as the original would. The original is unchanged, and the two share no
+        storage. Refused while a forward call is in flight (a layer holds keys not yet attended)."""
+        if not self.layers or not all(layer.is_initialized for layer in self.layers):
+            raise ValueError("fork needs a cache that has seen its prompt: this one holds nothing yet")
+        if any(layer.pending is not None for layer in self.layers):
+            raise ValueError("cannot fork a cache in the middle of a forward call")
+        rows = list(range(self.batch_size)) if rows is None else list(rows)
+        if not rows or not all(0 <= row < self.batch_size for row in rows):
+            raise ValueError(f"fork takes rows in [0, {self.batch_size}), got {rows}")
+        mine = self.settings
+        twin = KVCache(mine.policy, mode=mine.mode, prefill_chunk=mine.prefill_chunk, prompt_len=mine.prompt_len,
+                       kv_dtype=mine.kv_dtype, compile_kernel=mine.compile_kernel)  # fmt: skip
+        twin.settings.warned = mine.warned
+        index = torch.as_tensor(rows, dtype=torch.long)
+        twin.layers = [layer.forked(index, twin.settings) for layer in self.layers]
+        for layer in twin.layers:
+            layer._refresh_bounds()
+        return twin
+
+    # -- the steady decode step (runtime/graphs.py) ------------------------------------------------------
+    @property
+    def steady(self) -> bool:
+        """Whether the next decode step has fixed shapes and touches the same memory as the one after it, so
+        that it can be captured as a CUDA graph or compiled once (`KVLayer.steady`)."""
+        return bool(self.layers) and all(layer.steady() for layer in self.layers)
+
+    def note_replayed_step(self) -> None:
+        """A captured decode step was replayed: the tensors advanced on the device, and the Python-side count of
+        columns seen (what transformers counts positions from) advances here as the eager step's would have."""
+        for layer in self.layers:
+            layer.seen += 1
+
     # -- inspection -------------------------------------------------------------------------------------
+    def row_stats(self, row: int) -> RowStats:
+        """What sequence `row` holds now: tokens seen, most kept by a (layer, KV head), the bytes allocated for it
+        (its share) and the bytes its kept tokens need (a host sync)."""
+        layer = self.layers[0]
+        return RowStats(
+            kept_tokens=int(self.kept_per_head()[:, row].max()),
+            seen_tokens=int(layer.next_pos[row].max()),
+            kv_bytes=self.nbytes() // self.batch_size,
+            kv_kept_bytes=sum(layer.kept_nbytes(row) for layer in self.layers),
+        )
+
     @property
     def seen_tokens(self) -> int:
         """Real tokens (padding excluded) that have passed through the cache, longest sequence."""
@@ -164,6 +226,16 @@ class KVCache(Cache):
         """Bytes of the slots that hold a kept token: what the kept tokens need, at most `nbytes()`. Compare caches
         with one measure: a short prompt's `nbytes()` is mostly slots reserved ahead (a host sync per layer)."""
         return sum(layer.kept_nbytes() for layer in self.layers if layer.is_initialized)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowStats:
+    """What one sequence of a cache holds (`KVCache.row_stats`)."""
+
+    kept_tokens: int  # most tokens a (layer, KV head) keeps
+    seen_tokens: int  # real tokens that went through the cache
+    kv_bytes: int  # allocated, this sequence's share
+    kv_kept_bytes: int  # held by this sequence's kept tokens
 
 
 def check_continues(layer: KVLayer, keys: torch.Tensor, values: torch.Tensor) -> None:

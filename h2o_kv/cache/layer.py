@@ -4,7 +4,7 @@ Each layer stores keys and values in slots, [batch, kv_heads, slots, head_dim], 
 absolute position (-1 = empty) and accumulated score. A forward call with n new tokens:
   1. `update` (called by the model through the cache) hands the new keys/values to the layer;
   2. the h2o-kv attention function calls `forward_attention`, which writes the new tokens into
-     free slots, attends over the slots with the queries (`kernel.attend`), adds the attention to
+     free slots, attends over the slots with the queries (`attend.attend`), adds the attention to
      the scores, and evicts down to the policy's capacity by freeing slots (docs/eviction.md).
 In "drop" mode freed slots are reused, so once full the storage stays `capacity + 1` slots
 (the extra slot takes the incoming token while decoding). In "mask" mode (the paper's accuracy
@@ -36,13 +36,14 @@ class KVLayer(Rows, Steady, CacheLayerMixin):
     is_croppable = False
     spare = 1  # slots one decode step adds before it evicts (the incoming token's)
     head = None  # [B, 1, S] KV head of each slot in a head-pooled layer (pooled.py); None here
-    # the empty slots the last decode step left, [B, H, spare], with the `pos` tensor they index: the next
-    # step writes there (any batch change, growth or compaction makes a new `pos`, and they are not used)
-    vacant: tuple[torch.Tensor, torch.Tensor] | None = None
-    # the `pos` tensor of a layer whose every slot holds a token after each decode step's insertion (all its
-    # rows at one capacity, all reached): its steady decode steps need no mask and no count
-    packed: torch.Tensor | None = None
-    vacant_buffer: torch.Tensor | None = None  # the memory `vacant` slots live in once steady (`_kept_slots`)
+    # the empty slots the last decode step left, [B, H, spare]: the next step writes there. Any batch change,
+    # growth or compaction of the storage forgets them (`Rows._storage_changed`)
+    vacant: torch.Tensor | None = None
+    vacant_buffered = False  # `vacant` is `vacant_buffer`, the memory a steady step's slots live in (`_kept_slots`)
+    # every slot holds a token after each decode step's insertion (all rows at one capacity, all reached): steady
+    # decode steps need no mask and no count; forgotten with `vacant` when the storage changes
+    packed = False
+    vacant_buffer: torch.Tensor | None = None
 
     def __init__(self, settings: Settings, layer_idx: int) -> None:
         super().__init__()
@@ -51,7 +52,7 @@ class KVLayer(Rows, Steady, CacheLayerMixin):
         self.policy = settings.policy  # this layer's own (LayerBudgets), fixed with the budget on the first call
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.seen = 0  # columns seen, padding included: what transformers counts positions from
-        self.memo: tuple[torch.Tensor | None, dict] = (None, {})  # per-prompt values (`per_prompt`), their prompt_len
+        self.memo: dict = {}  # per-prompt values (`per_prompt`) of this `prompt_len`: emptied when it changes
 
     # -- transformers' layer interface ---------------------------------------------------------------
     @property
@@ -80,6 +81,7 @@ class KVLayer(Rows, Steady, CacheLayerMixin):
         self.used = 0  # slots at or after this index are free (mask mode never reuses a slot)
         self.decoded = False  # a one-token call came after the prompt (a fraction budget is then final)
         self.is_initialized = True
+        self._rows_changed()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:  # KVCache.update checks that a call continues an initialised layer
@@ -206,7 +208,7 @@ class KVLayer(Rows, Steady, CacheLayerMixin):
         (self.score if width == self.score.shape[-1] else self.score[..., :width]).add_(scores)
 
     def _fix_budget(self, prompt_len: torch.Tensor) -> None:
-        self.prompt_len = prompt_len.view(-1, 1, 1)
+        self.prompt_len, self.memo = prompt_len.view(-1, 1, 1), {}
         capacity = self.policy.capacity(prompt_len)
         if capacity is not None:
             self.capacity = capacity.clamp(min=1).view(-1, 1).to(self.device)
@@ -241,9 +243,9 @@ class KVLayer(Rows, Steady, CacheLayerMixin):
     def _decode_slots(self) -> torch.Tensor:
         """Where a decode step's new token goes, [B, H, spare]: the slots the last step's eviction left
         (`vacant`), else the first empty ones once there is room."""
-        vacant, self.vacant = self.vacant, None
-        if vacant is not None and vacant[1] is self.pos:
-            return vacant[0]
+        slots, self.vacant = self.vacant, None
+        if slots is not None:
+            return slots
         self._reserve(self.kept_bound + self.spare)
         return self._first_empty()
 
@@ -338,9 +340,7 @@ class KVLayer(Rows, Steady, CacheLayerMixin):
 
     def slot_state(self, next_pos: torch.Tensor) -> SlotState:
         """What the policy ranks (`next_pos` [B] or [B, 1, 1]), with this layer's per-prompt memo."""
-        if self.memo[0] is not self.prompt_len:
-            self.memo = (self.prompt_len, {})
-        return SlotState(self.pos, self.score, self.last, next_pos.view(-1, 1, 1), self.prompt_len, self.memo[1])
+        return SlotState(self.pos, self.score, self.last, next_pos.view(-1, 1, 1), self.prompt_len, self.memo)
 
     def _free(self, mask: torch.Tensor) -> None:
         self.pos.masked_fill_(mask, -1)
@@ -358,7 +358,7 @@ class KVLayer(Rows, Steady, CacheLayerMixin):
         return (self.pos >= 0).sum(-1)
 
     def _attend(self, query: torch.Tensor, positions: torch.Tensor, full: bool = False, **options):
-        """`kernel.attend` of a call's queries over this layer's slots (a head-pooled layer masks by head;
+        """`attend.attend` of a call's queries over this layer's slots (a head-pooled layer masks by head;
         `full`: every slot holds a token, nothing to mask)."""
         work = None  # decoding from int8 (or bfloat16 on a CPU): widened into the cache's buffer, not a fresh tensor
         dtype = compute_dtype(query.dtype, query.device)

@@ -7,7 +7,7 @@ single "virtual" KV head, [batch, 1, heads x (capacity + 1)], and tags each slot
 (`head`, int8). Everything else is `KVLayer`'s:
 
 - a call's n new tokens become n x heads slots (token-major), each with its token's position;
-- every query head attends over the whole row with the other heads' slots masked (`kernel.attend`'s
+- every query head attends over the whole row with the other heads' slots masked (`attend.attend`'s
   `slot_head`), so the scores summed over the row's "group" (all query heads) are exactly what each
   slot's own query heads paid;
 - eviction ranks the row: the lowest-priority `excess` slots go, whichever head holds them, which is
@@ -15,7 +15,7 @@ single "virtual" KV head, [batch, 1, heads x (capacity + 1)], and tags each slot
 
 The price against `KVLayer`: the eager attention computes the logits for every (query head, slot) pair,
 heads times the products of a uniform layer (the slots are still read once), with each KV head's mask
-added inside the product (`kernel.pooled_bias`); a decode step on a CPU runs h2o-kv's C++ kernel instead
+added inside the product (`attend.pooled_bias`); a decode step on a CPU runs h2o-kv's C++ kernel instead
 (`native.pooled_attend_one`: each query head against its own head's slots only, the row read once in
 slot order). A decode step's eviction takes the `heads + 1` lowest priorities of the row (topk, or on a
 CPU one C++ pass, `native.lowest_slots`) instead of one minimum per head, and the next step writes into
@@ -67,7 +67,7 @@ class PooledKVLayer(KVLayer):
         go where the last step's eviction left `heads` empty slots in every row, each tagged with its head;
         the query heads attend over the row, and every row frees `heads` slots again (`_evict_row`); on a CPU
         with a policy ranking by score with the newest kept, all of it in one C++ call (`native.pooled_decode_step`)."""
-        slots = self._take_vacant()
+        slots, _ = self._take_vacant()
         batch, heads, _, dim = keys.shape
         next_pos = self.next_pos.view(-1, 1, 1)
         keys, values = keys.reshape(batch, 1, heads, dim), values.reshape(batch, 1, heads, values.shape[-1])
@@ -78,7 +78,7 @@ class PooledKVLayer(KVLayer):
                 recent, scaling=scaling, softcap=softcap,
             )  # fmt: skip
             if not tied:
-                self.vacant, self.kept_bound = (freed, self.pos), min(self.kept_bound, self.max_capacity)
+                self._leave_vacant(freed)
                 return out
         else:
             self.head.scatter_(2, slots, self._tags(batch, 1))
@@ -218,8 +218,7 @@ class PooledKVLayer(KVLayer):
         for name, empty in (("pos", -1), ("score", 0.0), ("last", 0.0)):
             if getattr(self, name) is not None:
                 getattr(self, name).scatter_(2, slots, empty)
-        self.vacant = (slots, self.pos)
-        self.kept_bound = min(self.kept_bound, self.max_capacity)
+        self._leave_vacant(slots)
         return True
 
     def kept(self) -> torch.Tensor:

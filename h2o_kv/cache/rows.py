@@ -9,6 +9,8 @@ batching calls `select_rows` when sequences finish and `append_rows` when new on
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 SLOT_FIELDS = ("keys", "values", "pos", "score", "last", "key_scale", "value_scale", "head")  # [B, H, S, ...], or None
@@ -35,6 +37,26 @@ class Rows:
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, fn(value))
+        self._rows_changed()
+
+    def forked(self, rows: torch.Tensor, settings) -> Rows:
+        """A copy of this layer holding only `rows` (copies of their slots, positions, scores and budgets), with the
+        cache's `settings` of the copy; this layer is unchanged."""
+        twin = copy.copy(self)
+        twin.settings = settings
+        twin.vacant_buffer = twin.decode_tags = None  # the steady step's buffers are per layer: made again
+        twin.batch_select_indices(rows)
+        return twin
+
+    def _rows_changed(self) -> None:
+        """Rows came or went: the per-prompt memo and the storage's steady-step state belong to the old rows."""
+        self.memo = {}
+        self._storage_changed()
+
+    def _storage_changed(self) -> None:
+        """The slot tensors were replaced (rows, growth, compaction): the slots the last decode step left
+        (`vacant`) and the packed state describe the old storage, and the next step finds its slots again."""
+        self.vacant, self.vacant_buffered, self.packed = None, False, False
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep these sequences only; storage shrinks to the most tokens a kept row holds (+1 in drop mode)."""
@@ -54,6 +76,7 @@ class Rows:
             for name in (*copied, *SLOT_FIELDS, *ROW_FIELDS):
                 setattr(self, name, getattr(other, name))
             self.is_initialized = True
+            self._rows_changed()
             self._refresh_bounds()
             return
         if self.keys.shape[1:2] + self.keys.shape[3:] != other.keys.shape[1:2] + other.keys.shape[3:]:
@@ -78,6 +101,7 @@ class Rows:
         self.used = width
         self.seen = max(self.seen, other.seen)
         self.kept_bound = max(self.kept_bound, other.kept_bound)
+        self._rows_changed()
         self._refresh_bounds()
 
     def _refresh_bounds(self) -> None:
@@ -97,6 +121,7 @@ class Rows:
         for name in SLOT_FIELDS:
             if getattr(self, name) is not None:
                 setattr(self, name, grow(getattr(self, name), needed - have, -1 if name == "pos" else 0))
+        self._storage_changed()
 
     def _compact(self, slots: int) -> None:
         """Move kept tokens to the front and shrink storage to `slots` (after a prefill chunk)."""
@@ -106,6 +131,7 @@ class Rows:
             if t is not None:  # [B, H, S] fields, and [B, H, S, D] keys and values
                 index = order if t.dim() == 3 else order[..., None].expand(-1, -1, -1, t.shape[-1])
                 setattr(self, name, t.gather(2, index))
+        self._storage_changed()
         self.used = min(self.kept_bound, slots)
 
 

@@ -32,7 +32,22 @@ class Steady:
 
     def _full(self) -> bool:
         """A drop-mode layer whose last decode step left each head one empty slot (`_evict_one`)."""
-        return self.vacant is not None and self.vacant[1] is self.pos
+        return self.vacant is not None
+
+    def steady(self) -> bool:
+        """Whether this layer's next decode step is the fixed-shape one a CUDA graph or a compiled step can replay:
+        a drop-mode row per KV head, prompt seen, no call in flight, every slot full (`packed`), one slot left by
+        the last step (`vacant`), and scores that do not decay."""
+        return (
+            self.is_initialized
+            and self.settings.mode == "drop"
+            and self.head is None
+            and self.pending is None
+            and self.prompt_len is not None
+            and self._full()
+            and self.packed
+            and self.policy.decay == 1.0
+        )
 
     def _decode_full(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, qpos: torch.Tensor, *,
                      scaling: float, softcap: float | None) -> torch.Tensor:  # fmt: skip
@@ -40,12 +55,12 @@ class Steady:
         bookkeeping a prompt, a chunk or a growing storage needs. The new token [B, H, 1, D] at positions
         `qpos` [B, 1] takes the slot the last eviction left (its score is already zero), every head attends
         over its slots and then frees one again."""
-        slots = self._take_vacant()
+        slots, buffered = self._take_vacant()
         batch, heads = slots.shape[:2]
         recent = self._ranked_in_kernel(query.dtype, query.device)
         if recent is not None:  # the same operations in one C++ pass per (sequence, KV head)
             return self._decode_fused(query, keys, values, qpos, slots, recent, scaling=scaling, softcap=softcap)
-        recent = self._ranked_in_triton(query, slots, softcap)
+        recent = self._ranked_in_triton(query, buffered, softcap)
         fused_write = recent is not None and self.key_scale is None  # float storage: the Triton kernel writes
         if not fused_write:
             self._write(slots, keys, values, qpos.view(batch, 1, 1).expand(batch, heads, 1), zeroed=True)
@@ -92,12 +107,12 @@ class Steady:
             return None
         return self.policy.protected_recent(self.slot_state(self.next_pos))
 
-    def _ranked_in_triton(self, query: torch.Tensor, slots: torch.Tensor, softcap: float | None):
-        """The policy's `protected_recent` when this steady step (the new token going into `slots`) runs as
-        `triton_decode.decode_evict`: the Triton kernels on this device, every slot holding a token (`packed`),
-        the slots being the layer's vacant buffer, and a policy ranking by the undecayed score with the newest
-        tokens kept and no `last` (H2O, SnapKV); None otherwise."""
-        if softcap is not None or self.packed is not self.pos or slots is not self.vacant_buffer:
+    def _ranked_in_triton(self, query: torch.Tensor, buffered: bool, softcap: float | None):
+        """The policy's `protected_recent` when this steady step runs as `triton_decode.decode_evict`: the Triton
+        kernels on this device, every slot holding a token (`packed`), the new token's slots being the layer's
+        vacant buffer (`buffered`), and a policy ranking by the undecayed score with the newest tokens kept and no
+        `last` (H2O, SnapKV); None otherwise."""
+        if softcap is not None or not self.packed or not buffered:
             return None
         if self.last is not None or self.policy.decay != 1.0 or not use_triton(query.device):
             return None
@@ -117,30 +132,36 @@ class Steady:
         out = triton_decode.decode_evict(q, self.keys, self.values, self.pos, self.score, self.vacant_buffer,
                                          self.next_pos, recent, scaling=scaling, key_scale=self.key_scale,
                                          value_scale=self.value_scale, **written)  # fmt: skip
-        self.vacant = (self.vacant_buffer, self.pos)
-        self.kept_bound = min(self.kept_bound, self.max_capacity)
+        self._leave_vacant(self.vacant_buffer, buffered=True)
         return out.to(query.dtype)
 
     def _step_storage(self, dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether `native.decode_step` reads this layer's storage for queries of `dtype` (`kernel.native_rows`:
+        """Whether `native.decode_step` reads this layer's storage for queries of `dtype` (`attend.native_rows`:
         float32 products over float32 storage, bfloat16 or int8); pooled.py's own step reads float32 rows only."""
         return native_rows(self.keys, compute_dtype(dtype, device))
 
-    def _take_vacant(self) -> torch.Tensor:
-        """The slots [B, H, spare] the last step's eviction left, where a steady step writes its new token."""
-        slots, self.vacant = self.vacant[0], None
+    def _take_vacant(self) -> tuple[torch.Tensor, bool]:
+        """The slots [B, H, spare] the last step's eviction left, where a steady step writes its new token, and
+        whether they are the layer's `vacant_buffer`."""
+        slots, self.vacant = self.vacant, None
         self.kept_bound += slots.shape[-1]
-        return slots
+        return slots, self.vacant_buffered
+
+    def _leave_vacant(self, slots: torch.Tensor, *, buffered: bool = False) -> None:
+        """A decode step freed `slots` [B, H, spare] (one token per head, or a row's `heads`): the next step writes
+        there; every head is back within its capacity."""
+        self.vacant, self.vacant_buffered = slots, buffered
+        self.kept_bound = min(self.kept_bound, self.max_capacity)
 
     def end_steady(self, freed: torch.Tensor) -> None:
         """After the C++ pass: the slots it freed are where the next step writes."""
-        self.vacant, self.kept_bound = (freed, self.pos), min(self.kept_bound, self.max_capacity)
+        self._leave_vacant(freed)
 
     def _attend_steady(self, query: torch.Tensor, qpos: torch.Tensor, *, scaling: float, softcap: float | None):
         """A steady decode step's attention with its scores added (`_decode_full`, here and pooled.py's); returns
         the output and which slots hold a token, None once every one does (`packed`: all rows at one capacity,
         all reached; each step then evicts what it adds, so it stays so)."""
-        policy, packed = self.policy, self.packed is self.pos
+        policy, packed = self.policy, self.packed
         out, scores, last = self._attend(query, qpos, scaling=scaling, softcap=softcap, full=packed,
                                          want_scores=policy.needs_scores, want_last=policy.needs_last)  # fmt: skip
         if scores is not None:
@@ -150,7 +171,7 @@ class Steady:
         valid = None if packed else self.pos >= 0
         uniform = not packed and self.min_capacity == self.max_capacity and not capturing()
         if uniform and bool(valid.all()):  # a host sync, until packed (never inside a captured or compiled step)
-            self.packed = self.pos
+            self.packed = True
         return out, valid
 
     def _evict_one(self, valid: torch.Tensor | None, state: SlotState) -> None:
@@ -169,7 +190,7 @@ class Steady:
             if getattr(self, name) is not None:
                 getattr(self, name).scatter_(2, victim, empty)
         if self.settings.mode == "drop":
-            self.vacant = (self._kept_slots(victim), self.pos)
+            self._leave_vacant(self._kept_slots(victim), buffered=True)
         self.kept_bound = min(self.kept_bound, self.max_capacity)
 
     def _kept_slots(self, victim: torch.Tensor) -> torch.Tensor:

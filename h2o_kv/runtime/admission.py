@@ -11,6 +11,7 @@ import functools
 import torch
 
 from h2o_kv.cache.layer import GROWTH
+from h2o_kv.errors import ContextTooLong, KVMemoryExceeded
 from h2o_kv.policies import Policy
 
 
@@ -53,6 +54,26 @@ class SlotCount:
         kept = int(capacity)
         decode = min(kept, prompt_len + max_tokens) + 1
         return decode, min(prompt_len, kept + (self.prefill_chunk or prompt_len)) + 1
+
+
+def admission_bytes(count: SlotCount, policy: Policy, prompt_len: int, max_tokens: int, *, context: int,
+                    kv_memory: int | None) -> int:  # fmt: skip
+    """The KV bytes a request is admitted by (`SlotCount.bytes`). Refuses a request that could never run: an
+    unbounded cache past the model's `context` (ContextTooLong), or more bytes than `kv_memory` (KVMemoryExceeded)."""
+    if policy.capacity(torch.tensor([prompt_len])) is None and prompt_len + max_tokens > context:
+        raise ContextTooLong(
+            f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceed the model's context of "
+            f"{context} tokens with the unbounded {policy.describe()} cache",
+            prompt_tokens=prompt_len, max_tokens=max_tokens, context=context,
+        )  # fmt: skip
+    kv_bytes = count.bytes(policy, prompt_len, max_tokens)
+    if kv_memory is not None and kv_bytes > kv_memory:
+        raise KVMemoryExceeded(
+            f"this request needs {kv_bytes} bytes of KV cache under {policy.describe()}, more than the "
+            f"{kv_memory} allowed: shorten the prompt or max_tokens, or lower the budget",
+            needed=kv_bytes, allowed=kv_memory,
+        )  # fmt: skip
+    return kv_bytes
 
 
 def kv_layout(config, dtype: torch.dtype, kv_dtype: str | None = None) -> int:

@@ -160,3 +160,14 @@ def greedy_continue(
         )
         position += 1
     return out
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    """The token ids that end a sequence: the model's generation config's and the tokenizer's."""
+    ids: set[int] = set()
+    for value in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    return ids

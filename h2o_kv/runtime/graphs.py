@@ -5,8 +5,8 @@ memory every time: the new token goes into the slot the last step freed (a buffe
 positions advance in place, the scores accumulate in place, and nothing reads a device value on the host.
 So the model's forward over one token per sequence can be captured as a CUDA graph and replayed, as
 transformers' `StaticCache` is under `torch.compile(mode="reduce-overhead")`; the replay skips the host's
-thousands of kernel launches. `CapturedStep` runs eager steps until the cache is steady, captures the next
-one, and replays from then on (the Python-side counters, `seen`, advance with each replay).
+thousands of kernel launches. `CapturedStep` runs eager steps until the cache is steady (`KVCache.steady`),
+captures the next one, and replays from then on (`KVCache.note_replayed_step` keeps the Python-side count).
 """
 
 from __future__ import annotations
@@ -17,26 +17,11 @@ from h2o_kv.cache.kvcache import KVCache
 from h2o_kv.runtime.generation import forward
 
 
-def steady(cache: KVCache) -> bool:
-    """Whether each layer's next decode step is the steady one (`Steady._decode_full` with every slot full)."""
-    return bool(cache.layers) and all(
-        layer.is_initialized
-        and layer.settings.mode == "drop"
-        and layer.head is None
-        and layer.pending is None
-        and layer.prompt_len is not None
-        and layer._full()
-        and layer.packed is layer.pos
-        and layer.policy.decay == 1.0
-        for layer in cache.layers
-    )
-
-
 class CapturedStep:
     """Greedy or sampled decoding's model call, one token per sequence, replayed from a CUDA graph once steady.
 
     `step(tokens [B], positions [B])` returns the logits [B, V] (float32); they live in the graph's output buffer
-    and are overwritten by the next step. Eager steps run until `steady(cache)` and `warmup` more have passed
+    and are overwritten by the next step. Eager steps run until `cache.steady` and `warmup` more have passed
     (they compile Triton kernels and settle the allocator); the step after that is captured.
     """
 
@@ -52,11 +37,11 @@ class CapturedStep:
             self.tokens.copy_(tokens.view(-1, 1))
             self.positions.copy_(positions.view(-1, 1))
             self.graph.replay()
-            for layer in self.cache.layers:
-                layer.seen += 1
+            self.cache.note_replayed_step()
             return self.logits
-        if not steady(self.cache) or self.steady_steps < self.warmup:
-            self.steady_steps += steady(self.cache)
+        steady = self.cache.steady
+        if not steady or self.steady_steps < self.warmup:
+            self.steady_steps += steady
             return forward(self.model, self.cache, tokens.view(-1, 1), positions=positions.view(-1, 1))
         self.tokens, self.positions = tokens.view(-1, 1).clone(), positions.view(-1, 1).clone()
         self.graph = torch.cuda.CUDAGraph()

@@ -185,7 +185,7 @@ def test_steps_keep_no_autograd_history(engine):
     request = engine.submit(prompt(12, seed=1), max_tokens=20)
     engine.step()
     engine.step()
-    cache = next(iter(engine._groups.values()))[0]
+    cache = next(iter(engine._runs.batches.values())).cache
     assert not any(layer.keys.requires_grad or layer.keys.grad_fn is not None for layer in cache.layers)
     request.cancel()
     engine.run()
@@ -228,16 +228,16 @@ def test_a_top_p_below_float32s_range_keeps_the_most_likely_token():
 def test_a_request_whose_sampling_fails_ends_with_its_error_and_the_engine_goes_on(engine, monkeypatch):
     """A sampler error (here forced for one request's settings) fails that request only: the others, in the same
     decode batch and after it, finish as if it had never been there."""
-    from h2o_kv.runtime import engine as engine_module
+    from h2o_kv.runtime import steps as steps_module
 
-    real = engine_module.sample
+    real = steps_module.sample
 
     def failing(logits, sampling, generator=None):
         if sampling.temperature == 0.5:
             raise RuntimeError("invalid multinomial distribution")
         return real(logits, sampling, generator)
 
-    monkeypatch.setattr(engine_module, "sample", failing)
+    monkeypatch.setattr(steps_module, "sample", failing)
     ids = random_ids(1, 12)[0].tolist()
     alone = engine.submit(ids, max_tokens=6)
     engine.run()

@@ -102,7 +102,6 @@ def compiled_step(model, cache, device):
     """torch.compile(mode="reduce-overhead", fullgraph=True) over h2o-kv's decode step, after eager steps that
     bring the cache to its steady state (whose buffers are then marked static for the CUDA graphs)."""
     from h2o_kv.runtime.generation import forward
-    from h2o_kv.runtime.graphs import steady
 
     def eager(token, position):
         return forward(model, cache, token.view(-1, 1), positions=position.view(-1, 1))
@@ -110,7 +109,7 @@ def compiled_step(model, cache, device):
     compiled = torch.compile(eager, mode="reduce-overhead", fullgraph=True)
 
     def step(token, position):
-        if not steady(cache):
+        if not cache.steady:
             return eager(token, position)
         torch.compiler.cudagraph_mark_step_begin()
         return compiled(token, position)
@@ -173,7 +172,7 @@ def run_prefill(model, context: int, device, repeats: int) -> dict:
 
 def attention_ops(context: int, shape: str, device, dtype) -> dict:
     """One layer's prompt attention at `context` tokens, batch 1: SDPA alone against flash attention with its
-    log-sum-exp plus H2O's key scores (`kernel.prompt_scores`), and the decode kernel over 20 % of the slots."""
+    log-sum-exp plus H2O's key scores (`attend.prompt_scores`), and the decode kernel over 20 % of the slots."""
     from h2o_kv.backends import triton_decode, triton_scores
 
     s = SHAPES[shape]

@@ -16,7 +16,7 @@ from typing import Any
 
 from h2o_kv.cache.kvcache import Mode
 from h2o_kv.policies import Budget
-from h2o_kv.runtime.engine import eos_ids
+from h2o_kv.runtime.generation import eos_ids
 from h2o_kv.studies.eval.cells import Cells
 from h2o_kv.studies.eval.decoding import greedy_generate, new_cache
 from h2o_kv.studies.eval.fidelity import encode

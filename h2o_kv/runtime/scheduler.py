@@ -1,0 +1,105 @@
+"""Who runs next: the queue of submitted requests, the prompts going in, the decoding batches; admission by KV memory.
+
+A request waits (`waiting`, FIFO) until its KV memory fits beside everyone running (`admit`: `projected` bytes
+within `kv_memory`, at most `max_batch` running); then its prompt goes in, one chunk per engine step, oldest first
+(`prefill`); then it decodes in its policy's `Batch`. Nothing here calls the model: the engine does.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from h2o_kv.cache.kvcache import KVCache
+from h2o_kv.policies import Policy
+from h2o_kv.runtime.admission import SlotCount
+from h2o_kv.runtime.batch import Batch
+from h2o_kv.runtime.request import Request
+
+
+class Scheduler:
+    """The requests of one engine by stage; `new_cache(request)` makes an admitted request's cache."""
+
+    def __init__(self, count: SlotCount, *, kv_memory: int | None, max_batch: int,
+                 new_cache: Callable[[Request], KVCache]) -> None:  # fmt: skip
+        self.count, self.kv_memory, self.max_batch, self.new_cache = count, kv_memory, max_batch, new_cache
+        self.waiting: deque[Request] = deque()  # submitted, not admitted
+        self.prefill: deque[tuple[Request, KVCache]] = deque()  # admitted, prompt going in
+        self.batches: dict[Policy, Batch] = {}  # decoding, by policy
+
+    @property
+    def busy(self) -> bool:
+        """Whether an admitted request is in flight (a prompt going in or a batch decoding)."""
+        return bool(self.prefill or self.batches)
+
+    def admit(self) -> None:
+        """Move waiting requests to the prefill queue while their KV memory fits (FIFO: none overtakes the head)."""
+        while self.waiting and self.running() < self.max_batch:
+            request = self.waiting[0]
+            if self.kv_memory is not None and self.projected(request) > self.kv_memory:
+                return
+            self.waiting.popleft()
+            self.prefill.append((request, self.new_cache(request)))
+
+    def take_cancelled(self) -> list[Request]:
+        """Remove every cancelled request from its stage (a decoding one records what it held) and return them."""
+        gone = [r for r in self.waiting if r.cancelled]
+        for request in gone:
+            self.waiting.remove(request)
+        for item in [item for item in self.prefill if item[0].cancelled]:
+            self.prefill.remove(item)
+            gone.append(item[0])
+        for policy, batch in list(self.batches.items()):
+            rows = [i for i, r in enumerate(batch.requests) if r.cancelled]
+            for i in rows:
+                batch.record(i)  # what it held when it stopped
+                gone.append(batch.requests[i])
+            if rows:
+                self.leave(policy, rows)
+        return gone
+
+    def join(self, request: Request, cache: KVCache, device) -> None:
+        """A request whose prompt is through (first token sampled) joins its policy's batch."""
+        batch = self.batches.get(request.policy)
+        if batch is None:
+            self.batches[request.policy] = Batch(request, cache, device)
+        else:
+            batch.join(request, cache)
+
+    def leave(self, policy: Policy, rows: list[int]) -> None:
+        """Rows of a policy's batch are done: free them, and the batch once empty."""
+        batch = self.batches[policy]
+        if len(rows) == len(batch):
+            del self.batches[policy]
+        else:
+            batch.leave(rows)
+
+    def running(self) -> int:
+        return len(self.prefill) + sum(len(batch) for batch in self.batches.values())
+
+    def all_running(self) -> list[Request]:
+        return [r for r, _ in self.prefill] + [r for batch in self.batches.values() for r in batch.requests]
+
+    def all_requests(self) -> list[Request]:
+        return list(self.waiting) + self.all_running()
+
+    def kv_bytes_in_use(self) -> int:
+        caches = [batch.cache for batch in self.batches.values()] + [cache for _, cache in self.prefill]
+        return sum(cache.nbytes() for cache in caches)
+
+    def reserved(self) -> int:
+        return sum(r.kv_bytes for r in self.all_running())
+
+    def projected(self, extra: Request) -> int:
+        """KV bytes if `extra` were admitted: every batch at its widest row (prompts still going in
+        counted in their batch), plus the largest prompt in flight (one prompt is prefilled at a time)."""
+        groups: dict[Policy, list[int]] = {}
+        prefill = 0
+        for request in [*self.all_running(), extra]:
+            decode, prompt = self.count.slots(request.policy, request.prompt_tokens, request.max_tokens)
+            groups.setdefault(request.policy, []).append(decode)
+            if request is extra or any(request is r for r, _ in self.prefill):
+                prefill = max(prefill, prompt)
+        slots = sum(len(widths) * max(widths) for widths in groups.values()) + prefill
+        return slots * self.count.layout
+

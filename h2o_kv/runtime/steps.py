@@ -1,0 +1,110 @@
+"""The step runner: one engine iteration's model calls and what their logits become.
+
+`prefill` feeds the next chunk of the oldest prompt going in and, once the prompt is all in, samples its first
+token and lets the request join its policy's batch; `decode` steps one policy's batch and lets its finished rows
+go. The model calls are eager `forward`s today (`_prefill_call`, `_decode_call`); a steady step captured per batch
+bucket plugs in at `_decode_call`, and nothing else changes. A request whose call or sampling fails ends with the
+error; everyone else goes on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from h2o_kv.cache.kvcache import KVCache
+from h2o_kv.policies import Policy
+from h2o_kv.runtime.batch import record_of
+from h2o_kv.runtime.generation import decode_step, forward, sample
+from h2o_kv.runtime.request import Request
+from h2o_kv.runtime.scheduler import Scheduler
+
+
+class EagerSteps:
+    """Every model call an eager forward of `model`; counts the tokens generated and the requests finished.
+    `held` is called after each forward, when a step holds most (the engine's high-water marks)."""
+
+    def __init__(self, model: torch.nn.Module, *, eos: set[int], prefill_chunk: int | None,
+                 held: Callable[[], None]) -> None:  # fmt: skip
+        self.model, self.eos, self.prefill_chunk, self.held = model, eos, prefill_chunk, held
+        self.generated_tokens = 0
+        self.finished_requests = 0
+
+    def prefill(self, runs: Scheduler) -> None:
+        """The next chunk of the oldest prompt going in; once it is all in, the first token, and the request joins
+        its policy's batch (or ends there)."""
+        request, cache = runs.prefill[0]
+        done = cache.seen_tokens
+        ids = request.prompt_ids[done : done + (self.prefill_chunk or request.prompt_tokens)]
+        try:
+            logits = self._prefill_call(cache, ids, done)
+        except Exception as err:
+            runs.prefill.popleft()
+            self.finish(request, "error", f"{type(err).__name__}: {err}")
+            return
+        self.held()
+        if done + len(ids) < request.prompt_tokens:
+            return
+        runs.prefill.popleft()
+        token = self._sample(request, logits[0])
+        if token is None:
+            return
+        if self._push(request, token):
+            request.cache_stats = record_of(cache, 0)
+            return
+        runs.join(request, cache, self.model.device)
+
+    def decode(self, runs: Scheduler, policy: Policy) -> None:
+        """One decode step of a policy's batch: each row's next token, and the finished rows leave."""
+        batch = runs.batches[policy]
+        rows = batch.requests
+        try:
+            logits = self._decode_call(batch.cache, batch.tokens, batch.positions)
+        except Exception as err:
+            del runs.batches[policy]
+            for request in rows:
+                self.finish(request, "error", f"{type(err).__name__}: {err}")
+            return
+        self.held()
+        argmax = logits.argmax(-1)
+        greedy = argmax.tolist()
+        tokens = [greedy[i] if r.sampling.greedy else self._sample(r, logits[i]) for i, r in enumerate(rows)]
+        finished = [i for i, (r, token) in enumerate(zip(rows, tokens)) if token is None or self._push(r, token)]
+        for i in finished:
+            if tokens[i] is not None:
+                batch.record(i)
+        batch.advance(tokens, argmax if all(r.sampling.greedy for r in rows) else None)
+        if finished:
+            runs.leave(policy, finished)
+
+    def finish(self, request: Request, reason: str, error: str | None = None) -> None:
+        """End a request without a new token (cancelled, or an error)."""
+        request.finish(reason, error)
+        self.finished_requests += 1
+
+    def _prefill_call(self, cache: KVCache, ids: list[int], start: int) -> torch.Tensor:
+        """Prompt tokens `ids` of one sequence at absolute positions from `start`: the last one's logits [1, V]."""
+        device = self.model.device
+        positions = torch.arange(start, start + len(ids), device=device).view(1, -1)
+        return forward(self.model, cache, torch.tensor([ids], device=device), positions=positions)
+
+    def _decode_call(self, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One token per row (tokens, positions [B] on the model's device): the next logits [B, V]."""
+        return decode_step(self.model, cache, tokens, positions)
+
+    def _sample(self, request: Request, logits: torch.Tensor) -> int | None:
+        """The request's next token from its logits [V]; None when sampling fails (the request ends with the error,
+        everyone else goes on: one request's settings never stop the engine)."""
+        try:
+            return sample(logits, request.sampling, request.generator)
+        except Exception as err:
+            self.finish(request, "error", f"{type(err).__name__}: {err}")
+            return None
+
+    def _push(self, request: Request, token: int) -> bool:
+        self.generated_tokens += 1
+        if request.push(token, token in self.eos and not request.ignore_eos):
+            self.finished_requests += 1
+            return True
+        return False

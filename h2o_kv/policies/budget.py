@@ -3,6 +3,8 @@ CLI parses its flags before importing torch)."""
 
 from __future__ import annotations
 
+from h2o_kv.errors import BadBudget, UnknownPolicy
+
 MAX_TOKENS = 1 << 40  # a token count beyond this cannot mean anything real (and would overflow int64 sums)
 
 #: A fraction of the prompt that resolves to fewer tokens per (sequence, KV head) than this is warned about (not
@@ -21,18 +23,19 @@ def is_fraction(budget: Budget) -> bool:
 
 
 def check_budget_value(budget: Budget, what: str = "budget") -> None:
-    """The one rule for budgets: an int >= 1 is tokens, a float in (0, 1] is a fraction of the prompt."""
+    """The one rule for budgets: an int >= 1 is tokens, a float in (0, 1] is a fraction of the prompt; BadBudget
+    otherwise (TypeError for what is not a number at all, as a constructor's fields)."""
     if budget is None:
         return
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
         raise TypeError(f"{what} must be an int token count or a float fraction in (0, 1], got {budget!r}")
     if isinstance(budget, float):
         if not 0.0 < budget <= 1.0:  # nan and inf fail here too
-            raise ValueError(
+            raise BadBudget(
                 f"{what} {budget!r} means nothing: a float is a fraction of the prompt in (0, 1], an int is tokens"
             )
     elif not 1 <= budget <= MAX_TOKENS:
-        raise ValueError(f"{what} as tokens must be in [1, {MAX_TOKENS}], got {budget}")
+        raise BadBudget(f"{what} as tokens must be in [1, {MAX_TOKENS}], got {budget}")
 
 
 def parse_budget(text: str) -> int | float:
@@ -49,7 +52,7 @@ def parse_budget(text: str) -> int | float:
         else:
             budget = float(s)
     except ValueError:
-        raise ValueError(
+        raise BadBudget(
             f"budget {text!r} is not a number: give tokens (64) or a fraction of the prompt (0.2)"
         ) from None
     check_budget_value(budget)
@@ -70,10 +73,11 @@ def budget_tokens(budget: Budget, length: int) -> int | None:
 
 
 def policy_key(name: str) -> str:
-    """`name` as one of NAMES (case, "-" and "_" ignored: "StreamingLLM", "streaming-llm"); ValueError if none."""
+    """`name` as one of NAMES (case, "-" and "_" ignored: "StreamingLLM", "streaming-llm"); UnknownPolicy (a
+    ValueError) if none."""
     key = str(name).lower().replace("-", "").replace("_", "")
     if key not in NAMES:
-        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(NAMES)}")
+        raise UnknownPolicy(name, NAMES)
     return key
 
 

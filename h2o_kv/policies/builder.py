@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from h2o_kv.errors import BadBudget
 from h2o_kv.policies.adakv import AdaKV
 from h2o_kv.policies.base import Policy
 from h2o_kv.policies.budget import Budget, check_budget_value, policy_key
@@ -28,10 +29,10 @@ def build(name: str, budget: Budget = None, *, sinks: int = 4) -> Policy:
     key = policy_key(name)
     if key == "full":
         if budget is not None:
-            raise ValueError("policy 'full' keeps every token and takes no budget")
+            raise BadBudget("policy 'full' keeps every token and takes no budget")
         return Full()
     if budget is None:
-        raise ValueError(f"policy {name!r} needs a budget: tokens (64) or a fraction of the prompt (0.2)")
+        raise BadBudget(f"policy {name!r} needs a budget: tokens (64) or a fraction of the prompt (0.2)")
     check_budget_value(budget)
     if key == "h2o":
         return H2O(budget=budget)

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from h2o_kv.model_config import text_config
+
 
 def world_size() -> int:
     """Processes in this run: ``WORLD_SIZE`` as set by torchrun, else 1."""
@@ -45,11 +47,6 @@ def default_tp_plan() -> str | None:
     return "auto" if world_size() > 1 else None
 
 
-def _text_config(model_or_config: Any) -> Any:
-    config = getattr(model_or_config, "config", model_or_config)
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
 def check_tp(model_or_config: Any, processes: int | None = None, tp_plan: str | dict | None = "auto") -> None:
     """Raise ValueError unless the model can be split by heads over ``processes`` (default: WORLD_SIZE).
 
@@ -60,7 +57,7 @@ def check_tp(model_or_config: Any, processes: int | None = None, tp_plan: str | 
     processes = world_size() if processes is None else processes
     if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
         raise ValueError(f"processes must be a positive int, got {processes!r}")
-    config = _text_config(model_or_config)
+    config = text_config(getattr(model_or_config, "config", model_or_config))
     name = type(config).__name__
     heads = getattr(config, "num_attention_heads", None)
     if not isinstance(heads, int):

@@ -26,6 +26,7 @@ from h2o_kv.backends import native
 from h2o_kv.cache.attention import enable
 from h2o_kv.cache.formats import check_kv_dtype
 from h2o_kv.cache.kvcache import KVCache
+from h2o_kv.model_config import text_config
 from h2o_kv.policies import Policy
 from h2o_kv.runtime.admission import SlotCount, admission_bytes
 from h2o_kv.runtime.generation import Sampling, eos_ids
@@ -67,7 +68,7 @@ class Engine:
             native.load()  # the C++ kernels, built (once per machine) before the first request, not in its first step
         self.policy, self.budget, self.sinks, self.mode, self.kv_dtype = policy, budget, sinks, mode, kv_dtype
         self.kv_memory, self.max_batch, self.prefill_chunk = kv_memory, max_batch, prefill_chunk
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        config = text_config(model.config)
         self.context_limit = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
         self._count = SlotCount(config, model.dtype, kv_dtype, mode, prefill_chunk)
         self._lock = threading.Condition()  # guards the waiting queue (submit never waits for a step)
@@ -241,4 +242,3 @@ class Engine:
 
     def _detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
-

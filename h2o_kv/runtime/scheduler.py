@@ -102,4 +102,3 @@ class Scheduler:
                 prefill = max(prefill, prompt)
         slots = sum(len(widths) * max(widths) for widths in groups.values()) + prefill
         return slots * self.count.layout
-

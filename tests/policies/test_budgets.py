@@ -8,6 +8,7 @@ import torch
 
 import h2o_kv
 from h2o_kv import policies
+from h2o_kv.errors import BadBudget, UnknownPolicy
 
 
 @pytest.mark.parametrize(
@@ -37,6 +38,32 @@ from h2o_kv import policies
 def test_bad_budgets_raise(build, message):
     with pytest.raises(ValueError, match=message):
         build()
+
+
+def test_an_unknown_name_is_an_unknown_policy_naming_the_policy():
+    with pytest.raises(UnknownPolicy, match="unknown policy 'lru'; choose from h2o, snapkv") as err:
+        policies.build("lru", 1)
+    assert err.value.param == "policy" and err.value.name == "lru" and err.value.choices == policies.NAMES
+    with pytest.raises(UnknownPolicy):
+        policies.policy_key("h2o-int4")
+
+
+@pytest.mark.parametrize(
+    "refuse, message",
+    [
+        (lambda: policies.build("h2o", 0), "must be in \\[1, "),
+        (lambda: policies.build("h2o", 1.5), "means nothing"),
+        (lambda: policies.build("local"), "policy 'local' needs a budget"),
+        (lambda: policies.build("full", 8), "policy 'full' keeps every token and takes no budget"),
+        (lambda: policies.parse_budget("lots"), "budget 'lots' is not a number"),
+        (lambda: policies.parse_budget("150%"), "means nothing"),
+        (lambda: policies.check_budget_value(0, "kv_budget"), "kv_budget as tokens must be in"),
+    ],
+)
+def test_a_bad_budget_is_a_bad_budget_naming_the_budget(refuse, message):
+    with pytest.raises(BadBudget, match=message) as err:
+        refuse()
+    assert err.value.param == "budget"
 
 
 def test_non_integer_budget_is_a_type_error():

@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from h2o_kv.model_config import text_config
 from h2o_kv.runtime.generation import Sampling
 from h2o_kv.runtime.serve import schemas
 from h2o_kv.runtime.serve.metrics import CONTENT_TYPE, ServerMetrics
@@ -30,8 +31,8 @@ from h2o_kv.runtime.serve.requests import (
     ApiError,
     Limits,
     prompt_ids,
+    refusal,
     resolve,
-    submit_error,
 )
 from h2o_kv.runtime.serve.timeouts import ABANDON, ClientTimeouts
 
@@ -223,7 +224,8 @@ def create_app(engine, model_name: str, *, tokenizer=None, manage_engine: bool =
 
     async def _serve(request: Request, body: schemas._Request, ids: list[int], *, chat: bool):
         arrived = time.perf_counter()
-        job = resolve(engine, body, ids, limits)
+        prompt_param = "messages" if chat else "prompt"
+        job = resolve(engine, body, ids, limits, prompt_param=prompt_param)
         run = _Run(metrics, arrived)
         events = _Events(run)
         sampling = Sampling(
@@ -234,11 +236,11 @@ def create_app(engine, model_name: str, *, tokenizer=None, manage_engine: bool =
         stop = tuple(body.stop)
         try:
             req = engine.submit(
-                ids, max_tokens=job.max_tokens, sampling=sampling, stop=stop, policy=job.policy, budget=job.budget,
+                ids, max_tokens=job.max_tokens, sampling=sampling, stop=stop, policy=job.policy,
                 ignore_eos=body.ignore_eos, on_event=events.put,
             )  # fmt: skip
-        except ValueError as err:
-            raise submit_error(err, prompt_param="messages" if chat else "prompt") from None
+        except ValueError as err:  # too long for the context (ContextTooLong) or the KV memory (KVMemoryExceeded)
+            raise refusal(err, prompt_param=prompt_param) from None
         except RuntimeError as err:  # the engine is shutting down
             raise ApiError(503, str(err), type="server_error", code="shutting_down") from None
         metrics.prompt_tokens.inc(len(ids))
@@ -276,9 +278,7 @@ def key_matches(header: str | None, keys: list[bytes]) -> bool:
 
 
 def _vocab_size(engine, tokenizer) -> int:
-    config = engine.model.config
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return int(getattr(config, "vocab_size", None) or len(tokenizer))
+    return int(getattr(text_config(engine.model.config), "vocab_size", None) or len(tokenizer))
 
 
 class _Run:

@@ -1,7 +1,8 @@
 """From a validated request body to what the engine needs: prompt ids, KV policy and budget, token limit.
 
 Every refusal is an `ApiError` naming the request field, checked with the same rules as the CLI
-(`policies.parse_budget` / `policies.build`), so the engine only ever sees input it accepts.
+(`policies.parse_budget` / `policies.build`), so the engine only ever sees input it accepts. The library's typed
+refusals (`h2o_kv.errors`) become HTTP errors by their type (`refusal`), never by their text.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from h2o_kv import policies
+from h2o_kv.errors import BadBudget, ContextTooLong, InputError, KVMemoryExceeded, UnknownPolicy
 from h2o_kv.runtime.generation import encode
 
 
@@ -68,21 +70,22 @@ DEFAULT_LIMITS = Limits()
 
 @dataclass(frozen=True)
 class Job:
-    """What one request asks of the engine (policy/budget None: the engine's defaults), and the reply's
-    `kv_warning` when its budget keeps very few tokens of its prompt."""
+    """What one request asks of the engine: its policy, built once here (the engine's defaults overridden by
+    kv_policy and kv_budget) and submitted as is, its token limit, and the reply's `kv_warning` when its budget
+    keeps very few tokens of its prompt."""
 
-    policy: str | None
-    budget: policies.Budget
+    policy: policies.Policy
     max_tokens: int
     warning: str | None = None
 
 
-def resolve(engine, body, ids: list[int], limits: Limits = DEFAULT_LIMITS) -> Job:
+def resolve(engine, body, ids: list[int], limits: Limits = DEFAULT_LIMITS, *, prompt_param: str = "prompt") -> Job:
     """Check the request's KV policy, budget and token limits (the model's context and the server's `limits`);
-    refusals are ApiErrors naming the field.
+    refusals are ApiErrors naming the field (`prompt_param`: "messages" for a chat).
 
-    The policy is resolved as the engine will (`engine.resolve_policy`: the server's defaults,
-    overridden by kv_policy and kv_budget), so a request the engine would refuse is refused here.
+    The policy is built as the engine would (`engine.resolve_policy`: the server's defaults, overridden by
+    kv_policy and kv_budget) and goes to `engine.submit` built, so a request the engine would refuse is refused
+    here. The prompt's own length against the context and the KV memory is the engine's check (`submit`).
     """
     budget = None
     if body.kv_budget is not None:
@@ -92,9 +95,10 @@ def resolve(engine, body, ids: list[int], limits: Limits = DEFAULT_LIMITS) -> Jo
             raise ApiError(400, f"kv_budget: {err}", param="kv_budget") from None
     try:
         policy = engine.resolve_policy(body.kv_policy, budget)
-    except (ValueError, TypeError) as err:
-        param = "kv_policy" if str(err).startswith("unknown policy") else "kv_budget"
-        raise ApiError(400, f"{param}: {err}", param=param) from None
+    except (UnknownPolicy, BadBudget) as err:
+        raise refusal(err, prompt_param=prompt_param) from None
+    except (ValueError, TypeError) as err:  # a policy's own check of the size the budget gave it
+        raise ApiError(400, f"kv_budget: {err}", param="kv_budget") from None
     if limits.max_prompt_tokens is not None and len(ids) > limits.max_prompt_tokens:
         raise ApiError(400, f"the prompt has {len(ids)} tokens; this server takes at most {limits.max_prompt_tokens} "
                        "(--max-prompt-tokens)", param="prompt", code="prompt_too_long")  # fmt: skip
@@ -112,7 +116,7 @@ def resolve(engine, body, ids: list[int], limits: Limits = DEFAULT_LIMITS) -> Jo
     if engine.waiting() >= limits.max_queue:
         raise ApiError(429, f"{limits.max_queue} requests are already waiting (--max-queue): retry shortly",
                        type="server_error", code="queue_full")  # fmt: skip
-    return Job(policy=body.kv_policy, budget=budget, max_tokens=limit, warning=_kv_warning(policy, len(ids)))
+    return Job(policy=policy, max_tokens=limit, warning=_kv_warning(policy, len(ids)))
 
 
 def _kv_warning(policy: policies.Policy, prompt_len: int) -> str | None:
@@ -124,11 +128,19 @@ def _kv_warning(policy: policies.Policy, prompt_len: int) -> str | None:
     return None if kept is None else policies.short_fraction(policy.describe(), int(kept.min()), prompt_len)
 
 
-def submit_error(err: ValueError, *, prompt_param: str) -> ApiError:
-    """The engine's refusal of a request that passed `resolve` (too long for the context or for the KV memory)."""
+def refusal(err: ValueError, *, prompt_param: str) -> ApiError:
+    """The 400 for a refusal of the policies or the engine (`submit`), by the error's type: the request's field
+    in `param` (`prompt_param`: "prompt", or "messages" for a chat) and OpenAI's code where it has one."""
     message = str(err)
-    if "context" in message:
+    if isinstance(err, UnknownPolicy):
+        return ApiError(400, f"kv_policy: {message}", param="kv_policy")
+    if isinstance(err, BadBudget):
+        return ApiError(400, f"kv_budget: {message}", param="kv_budget")
+    if isinstance(err, ContextTooLong):
         return ApiError(400, f"{prompt_param}: {message}", param=prompt_param, code="context_length_exceeded")
-    if "KV cache" in message:
+    if isinstance(err, KVMemoryExceeded):
         return ApiError(400, message, param=prompt_param, code="kv_memory_exceeded")
+    if isinstance(err, InputError):  # the library's name of the field, as the request's
+        fields = {"prompt": prompt_param, "policy": "kv_policy", "budget": "kv_budget"}
+        return ApiError(400, message, param=fields.get(err.param, err.param))
     return ApiError(400, message)

@@ -49,7 +49,7 @@ def environment() -> Row:
     import transformers
 
     from h2o_kv.cache.attend import native_products
-    from h2o_kv.runtime.allocator import malloc_state
+    from h2o_kv.runtime.malloc import malloc_state
 
     return dict(
         python=platform.python_version(),
@@ -63,7 +63,7 @@ def environment() -> Row:
         cpus=os.cpu_count(),
         torch_threads=torch.get_num_threads(),
         load_avg=os.getloadavg() if hasattr(os, "getloadavg") else None,  # a busy machine gives noisy timings
-        malloc=malloc_state(),  # "retained": glibc keeps freed memory (allocator.py), prompts fault far less
+        malloc=malloc_state(),  # "retained": glibc keeps freed memory (malloc.py), prompts fault far less
         cuda=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     )
 

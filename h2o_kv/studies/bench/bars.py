@@ -6,7 +6,7 @@ import statistics
 from functools import partial
 from typing import Any
 
-from h2o_kv.studies.bench.config import DYNAMIC, STATIC, Row
+from h2o_kv.studies.bench.config import DYNAMIC, SIZES, STATIC, Row
 
 BAR_SIZE = (4096, 4)  # (prompt, batch) at which the performance bars are defined
 RATIO_BARS = (  # (bar, ours, reference, measure, comparison, limit)
@@ -30,7 +30,8 @@ TABLE = [  # the printed summary's (header, width)
 def check_bars(rows: list[Row], defined_at: tuple[int, int] = BAR_SIZE) -> list[Row]:
     """PASS (True) / FAIL (False) / SKIP (None) for each performance bar, at the largest prompt and batch
     of the sweep and the first thread count. The speed bars are defined at `defined_at` (4096 tokens, batch 4):
-    a run whose largest shape is another SKIPs them and says why; the KV-bytes bar holds at any shape."""
+    a run whose largest shape is another SKIPs them and says why (`format_bars`: once); the KV-bytes bar holds at
+    any shape."""
     sweep = [r for r in rows if r["section"] == "sweep"]
     if not sweep:
         return []
@@ -40,7 +41,7 @@ def check_bars(rows: list[Row], defined_at: tuple[int, int] = BAR_SIZE) -> list[
     at = {r["policy"]: r for r in sweep if (r["prompt_len"], r["batch"]) == size}
     where = f" at prompt {size[0]}, batch {size[1]}, {threads} threads"
     off = None if size == defined_at else (f"defined at prompt {defined_at[0]} x batch {defined_at[1]}; this run's "
-                                           f"largest is {size[0]} x {size[1]}")  # fmt: skip
+                                           f"largest is {size[0]} x {size[1]}{_runs_it(defined_at)}")  # fmt: skip
     kv = "KV bytes H2O = budget share of full-sdpa"
     checks = [(name, ours, ref, partial(_ratio_bar, key=key, op=op, limit=limit))
               for name, ours, ref, key, op, limit in RATIO_BARS]  # fmt: skip
@@ -58,6 +59,12 @@ def check_bars(rows: list[Row], defined_at: tuple[int, int] = BAR_SIZE) -> list[
         bars.append(dict(bar=name, passed=None, detail=off) if off else _bar(name, same.get(ours), same.get(ref),
                                                                               check, needs, ""))  # fmt: skip
     return bars
+
+
+def _runs_it(shape: tuple[int, int]) -> str:
+    """Which --size preset's largest prompt and batch are `shape`, as a hint."""
+    names = [name for name, s in SIZES.items() if (max(s["prompt_lens"]), max(s["batch_sizes"])) == shape]
+    return f" (--size {names[0]} runs it)" if names else ""
 
 
 def _bar(name: str, ours: Row | None, ref: Row | None, check, needs: str, where: str) -> Row:
@@ -111,8 +118,20 @@ def _roofline_bar(h2o: Row, _: Row) -> tuple[bool, str]:
 
 
 def format_bars(bars: list[Row]) -> str:
+    """One line per bar; bars that SKIP for the same reason (a run at another shape) share one line."""
     labels = {True: "PASS", False: "FAIL", None: "SKIP"}
-    return "\n".join(f"{labels[b['passed']]}  {b['bar']}: {b['detail']}" for b in bars)
+    skipped: dict[str, list[str]] = {}
+    for b in bars:
+        if b["passed"] is None:
+            skipped.setdefault(b["detail"], []).append(b["bar"])
+    lines = []
+    for b in bars:
+        same = skipped.get(b["detail"], []) if b["passed"] is None else []
+        if len(same) < 2:
+            lines.append(f"{labels[b['passed']]}  {b['bar']}: {b['detail']}")
+        elif b["bar"] == same[0]:  # the reason once, where its first bar stood
+            lines.append(f"SKIP  {len(same)} performance bars: {b['detail']}")
+    return "\n".join(lines)
 
 
 def summary_table(rows: list[Row]) -> str:

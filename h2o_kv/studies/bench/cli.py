@@ -94,7 +94,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="KV-cache memory cap for the same-memory run (default: the stock caches' KV at the largest batch)",
     )
-    add("--out", default=None, help="output directory (default results/bench; results/soak with --soak)")
+    add(
+        "--out",
+        default=None,
+        help="output directory; default: a new folder bench-runs/SIZE-YYYYmmdd-HHMMSS (bench-runs/soak-... with "
+        "--soak), never the committed results/",
+    )
     add("--profile", action="store_true", help="also write torch.profiler tables of an H2O prefill and decode step")
     add("--no-progress", action="store_true", help="no progress bar")  # fmt: skip
     add("--check", action="store_true", help="exit 1 when a bar FAILs (a bar defined at another shape SKIPs)")
@@ -126,9 +131,11 @@ def main(args: argparse.Namespace) -> int:
     from h2o_kv.studies.bench.config import check_run
     from h2o_kv.studies.bench.soak import main as soak_main
 
+    if args.out is None:  # a new folder per run: a first try never overwrites the committed results/bench
+        args.out = run_folder("soak" if args.soak is not None else args.size)
     if args.soak is not None:
         return soak_main(args)
-    out = args.out or "results/bench"
+    out = args.out
     from h2o_kv.runtime.models import load_model
     from h2o_kv.studies.bench.bars import check_bars, format_bars, summary_table
     from h2o_kv.studies.bench.output import write_results
@@ -162,6 +169,16 @@ def main(args: argparse.Namespace) -> int:
         print(f"bench: {len(failed)} bar(s) failed: {'; '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def run_folder(kind: str) -> str:
+    """A folder no run has used: bench-runs/KIND-YYYYmmdd-HHMMSS, with -2, -3 ... when that one exists."""
+    base = f"bench-runs/{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out, n = base, 1
+    while Path(out).exists():
+        n += 1
+        out = f"{base}-{n}"
+    return out
 
 
 def run_cli(argv: Sequence[str] | None = None) -> int:

@@ -218,7 +218,7 @@ def main(args: argparse.Namespace) -> int:
     input_ids = prompt_ids(token_ids, prompt_len, batch).to(next(model.parameters()).device)
     result = soak(model, input_ids, policy=policy, budget=args.budget, steps=args.soak, every=args.soak_every,
                   warmup=args.soak_warmup, progress=not args.no_progress)  # fmt: skip
-    paths = write_soak(result, args.out or "results/soak")
+    paths = write_soak(result, args.out)  # the CLI names a new folder when --out is not given
     print(format_summary(result))
-    print(f"wrote {', '.join(sorted(p.name for p in paths.values()))} to {args.out or 'results/soak'}", file=sys.stderr)
+    print(f"wrote {', '.join(sorted(p.name for p in paths.values()))} to {args.out}", file=sys.stderr)
     return 0 if result["summary"]["passed"] else 1

@@ -9,12 +9,18 @@ A replica that dies: a request that has received nothing yet is sent again (anot
 `RETRIES` tries); a stream that already started ends with an OpenAI-shaped error event and `data: [DONE]`;
 Ray Serve restarts the replica. /metrics shows the gateway's own counts and each replica's last report
 (running, waiting, KV bytes in use and allowed), labelled by replica.
+
+Shutdown (launch.stop, on SIGTERM) drains through the gateway, as the one-process server does: `begin_drain`
+answers every new request 503 (`shutting_down`) while the requests in flight go on; `requests_in_flight` counts
+them; `end_requests` (at --drain-timeout) cancels the replicas' calls still running: a stream ends with an
+OpenAI-shaped `shutting_down` error event and `data: [DONE]`, a request with no answer yet gets the 503.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -22,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.serve.exceptions import RequestCancelledError
 
 from h2o_kv.runtime.cluster import reports, routing
 from h2o_kv.runtime.serve import schemas
@@ -69,8 +76,27 @@ def session_of(request: Request, body: bytes) -> str:
     return user if isinstance(user, str) else ""
 
 
+SHUTTING_DOWN = ("the server is shutting down: it finishes the requests it has and takes no new ones; retry on "
+                 "another replica or after it restarts")  # fmt: skip
+
+
 def _error(status: int, message: str, code: str) -> JSONResponse:
     return JSONResponse(status_code=status, content=schemas.error_body(message, type="server_error", code=code))
+
+
+@dataclass
+class Drain:
+    """The gateway's shutdown state: whether new requests are refused, and the replicas' calls in flight."""
+
+    draining: bool = False
+    ending: bool = False
+    calls: set = field(default_factory=set)  # the replicas' answers (response generators) not yet relayed
+
+    def end(self) -> None:
+        """Cancel every call in flight: its request ends now (a stream with an error event, else a 503)."""
+        self.ending = True
+        for parts in list(self.calls):
+            parts.cancel()
 
 
 def build_gateway(replicas, api_keys: list[str], max_body_bytes: int = 1 << 20) -> FastAPI:
@@ -83,6 +109,7 @@ def build_gateway(replicas, api_keys: list[str], max_body_bytes: int = 1 << 20) 
     retried = Counter(f"{PREFIX}_gateway_retries", "Requests sent again after their replica was lost",
                       registry=registry)  # fmt: skip
     broken = Counter(f"{PREFIX}_gateway_streams_broken", "Streams ended by a lost replica", registry=registry)
+    drain = app.state.drain = Drain()
 
     def refused(request: Request) -> JSONResponse | None:
         if not keys or key_matches(request.headers.get("authorization"), keys):
@@ -104,6 +131,8 @@ def build_gateway(replicas, api_keys: list[str], max_body_bytes: int = 1 << 20) 
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def forward(request: Request, path: str) -> Response:
+        if drain.draining:  # every route, /health included, as the one-process server while it drains
+            return _error(503, SHUTTING_DOWN, "shutting_down")
         if path != "health" and (refusal := refused(request)) is not None:
             return refusal
         error = body_refusal(request.method, request.headers.get("content-length"), max_body_bytes)
@@ -114,11 +143,23 @@ def build_gateway(replicas, api_keys: list[str], max_body_bytes: int = 1 << 20) 
         handle = replicas.options(stream=True, session_id=session_of(request, body))
         for _ in range(RETRIES):
             parts = handle.forward.remote(request.method, f"/{path}", headers, body)
+            drain.calls.add(parts)
             try:
+                if drain.ending:
+                    parts.cancel()
                 start = await parts.__anext__()
                 break
             except LOST:
+                drain.calls.discard(parts)
                 retried.inc()
+            except RequestCancelledError:
+                drain.calls.discard(parts)
+                if drain.ending:
+                    return _error(503, SHUTTING_DOWN, "shutting_down")
+                raise
+            except BaseException:
+                drain.calls.discard(parts)
+                raise
         else:
             return _error(503, f"no replica answered after {RETRIES} tries (replicas lost)", "replica_lost")
         out = {k.decode(): v.decode() for k, v in start["headers"] if k.lower() not in (b"content-length",)}
@@ -132,16 +173,26 @@ def build_gateway(replicas, api_keys: list[str], max_body_bytes: int = 1 << 20) 
             except LOST as err:
                 done = True
                 broken.inc()
-                failure = schemas.error_body(f"the replica serving this stream was lost: {type(err).__name__}",
-                                             type="server_error", code="replica_lost")  # fmt: skip
-                yield f"data: {json.dumps(failure)}\n\ndata: [DONE]\n\n".encode()
+                yield _last_event(f"the replica serving this stream was lost: {type(err).__name__}", "replica_lost")
+            except RequestCancelledError:
+                if not drain.ending:
+                    raise
+                done = True
+                yield _last_event("the server shut down before this stream finished (--drain-timeout)", "shutting_down")
             finally:
+                drain.calls.discard(parts)
                 if not done:  # the client went away: the replica's app sees a disconnect and frees the request
                     parts.cancel()
 
         return StreamingResponse(relay(), status_code=start["status"], headers=out)
 
     return app
+
+
+def _last_event(message: str, code: str) -> bytes:
+    """An OpenAI-shaped error event and `data: [DONE]`: how a stream the replica cannot finish ends."""
+    failure = schemas.error_body(message, type="server_error", code=code)
+    return f"data: {json.dumps(failure)}\n\ndata: [DONE]\n\n".encode()
 
 
 def build(model: str, *, device: str, engine: dict, served_name: str, limits, replicas: int, api_keys: list[str]):
@@ -164,6 +215,18 @@ def build(model: str, *, device: str, engine: dict, served_name: str, limits, re
             self.engines = engines_handle
 
         def __serve_build_asgi_app__(self):
-            return build_gateway(self.engines, api_keys, limits.max_body_bytes)
+            app = build_gateway(self.engines, api_keys, limits.max_body_bytes)
+            self.drain = app.state.drain
+            return app
+
+        # called by launch.stop through the app's handle (async: on the replica's event loop, as the routes)
+        async def begin_drain(self) -> None:
+            self.drain.draining = True
+
+        async def requests_in_flight(self) -> int:
+            return len(self.drain.calls)
+
+        async def end_requests(self) -> None:
+            self.drain.end()
 
     return Gateway.bind(engines)

@@ -7,8 +7,10 @@ extra; FastAPI and uvicorn are imported when the command runs.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import re
+import socket
 import sys
 from pathlib import Path
 
@@ -32,10 +34,52 @@ def parse_bytes(text: str) -> int:
     return size
 
 
+def check_port(host: str, port: int) -> None:
+    """Refuse, before the model loads, a --host/--port this process cannot listen on (taken, not this machine's,
+    or privileged): a bind as uvicorn's, released at once. Port 0 (any free port) is always free."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # uvicorn's choice
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
+            sock.bind((host, port))
+    except OSError as err:
+        if err.errno == errno.EADDRINUSE:
+            why = "is already in use (another server?): stop it or choose another --port"
+        elif err.errno == errno.EACCES:
+            why = "needs privileges this process lacks (ports below 1024): choose another --port"
+        else:
+            why = f"cannot be listened on ({err.strerror or err}): check --host"
+        raise ValueError(f"serve: {host}:{port} {why}") from None
+
+
 def served_name(model: str) -> str:
     """The model id clients send: the bundled name, an HF id, or a local path's last part."""
     path = Path(model).expanduser()
     return path.stem if model.endswith(".gguf") else path.name if path.exists() else model
+
+
+def _size(n: int) -> str:
+    for unit, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if n >= unit:
+            return f"{n / unit:.4g} {name}"
+    return f"{n} B"
+
+
+def startup_line(engine, model_name: str) -> str:
+    """What the server serves with, for its start-up line: the model, the default policy and budget, the KV memory."""
+    budget = engine.budget
+    if str(engine.policy).lower() == "full":
+        kept = "keeping every token"
+    elif isinstance(budget, float):
+        kept = f"budget {budget:.0%} of each prompt per KV head"
+    else:
+        kept = f"budget {budget} tokens per sequence and KV head"
+    storage = engine.kv_dtype or str(engine.model.dtype).removeprefix("torch.")
+    memory = "unbounded" if engine.kv_memory is None else _size(engine.kv_memory)
+    return (f"model {model_name} on {engine.model.device.type}, policy {engine.policy}, {kept}, KV memory {memory} "
+            f"({storage} keys and values), up to {engine.max_batch} sequences at once")  # fmt: skip
 
 
 def engine_settings(args: argparse.Namespace) -> dict:
@@ -90,6 +134,8 @@ def request_limits(args: argparse.Namespace):
 def cmd_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if not args.ray_address or args.ray_address == "local":  # first, before the slow imports; a remote Ray binds there
+        check_port(args.host, args.port)
     if not 0 <= args.drain_timeout < float("inf"):  # also refuses nan
         raise ValueError(f"--drain-timeout must be a number of seconds >= 0, got {args.drain_timeout}")
     keys = api_keys(args)
@@ -112,9 +158,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not keys and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"h2o-kv serve: warning: serving on {args.host} with no API key: anyone who reaches the port can use "
               "the model (--api-key or H2O_KV_API_KEY)", file=sys.stderr)  # fmt: skip
-    app = create_app(engine, args.served_model_name or served_name(args.model), api_keys=keys, limits=limits)
+    name = args.served_model_name or served_name(args.model)
+    app = create_app(engine, name, api_keys=keys, limits=limits)
     Server.for_app(app, engine, host=args.host, port=args.port, drain_timeout=args.drain_timeout,
-                   log_level=args.log_level, max_connections=args.max_connections).run()  # fmt: skip
+                   log_level=args.log_level, max_connections=args.max_connections,
+                   announce=startup_line(engine, name)).run()  # fmt: skip
     return 0
 
 
@@ -126,7 +174,7 @@ def serve_cluster(args: argparse.Namespace, keys: list[str], limits, settings: d
         raise ValueError(f"--replicas needs the cluster extra: pip install 'h2o-kv[cluster]' ({err})") from None
     serve_forever(model=args.model, replicas=args.replicas, engine=settings, limits=limits, api_keys=keys,
                   served_name=args.served_model_name or served_name(args.model), device=args.device, host=args.host,
-                  port=args.port, ray_address=args.ray_address)  # fmt: skip
+                  port=args.port, ray_address=args.ray_address, drain_timeout=args.drain_timeout)  # fmt: skip
     return 0
 
 

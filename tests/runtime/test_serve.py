@@ -13,7 +13,9 @@ import httpx  # noqa: E402
 
 from h2o_kv import policies  # noqa: E402
 from h2o_kv.cache.kvcache import KVCache  # noqa: E402
+from h2o_kv.errors import BadBudget, ContextTooLong, InputError, KVMemoryExceeded, UnknownPolicy  # noqa: E402
 from h2o_kv.runtime.generation import encode, greedy_ids  # noqa: E402
+from h2o_kv.runtime.serve.requests import refusal  # noqa: E402
 
 from serve_helpers import CONTEXT, MODEL, client, metric, running_server, wait_for  # noqa: E402
 
@@ -181,6 +183,43 @@ def test_bad_input_gets_an_openai_error_and_the_server_goes_on(server, api, fiel
     assert _greedy(api, max_tokens=2).usage.completion_tokens == 2
 
 
+REFUSALS = [  # (the library's error, param, code, message): by type, whatever the text says
+    (UnknownPolicy("lru", policies.NAMES), "kv_policy", None, "kv_policy: unknown policy 'lru'; choose from h2o"),
+    (BadBudget("policy 'full' keeps every token and takes no budget"), "kv_budget", None, "kv_budget: policy 'full'"),
+    (ContextTooLong("9 + 4 tokens past 8", prompt_tokens=9, max_tokens=4, context=8), "messages",
+     "context_length_exceeded", "messages: 9 + 4 tokens past 8"),
+    (KVMemoryExceeded("needs 10 bytes, 5 allowed", needed=10, allowed=5), "messages", "kv_memory_exceeded",
+     "needs 10 bytes, 5 allowed"),
+    (InputError("the prompt is empty", param="prompt"), "messages", None, "the prompt is empty"),
+    (InputError("stop must be non-empty strings", param="stop"), "stop", None, "stop must be non-empty strings"),
+    (ValueError("past the context: more KV cache than allowed"), None, None, "past the context: more KV cache"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("err,param,code,message", REFUSALS, ids=[type(r[0]).__name__ for r in REFUSALS])
+def test_the_library_s_refusals_map_to_http_errors_by_type(err, param, code, message) -> None:
+    refused = refusal(err, prompt_param="messages")
+    assert (refused.status, refused.param, refused.code) == (400, param, code)
+    assert refused.message.startswith(message)
+
+
+def test_the_policy_is_built_once_and_submitted_built(server, monkeypatch) -> None:
+    """The server builds the request's policy (checking it) and hands the engine that Policy, not its name again."""
+    engine, url = server
+    submitted = []
+    submit = engine.submit
+
+    def spy(ids, **kwargs):
+        submitted.append(kwargs)
+        return submit(ids, **kwargs)
+
+    monkeypatch.setattr(engine, "submit", spy)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "kv_policy": "h2o", "kv_budget": 16}
+    assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+    (kwargs,) = submitted
+    assert kwargs["policy"] == policies.build("h2o", 16) and kwargs.get("budget") is None
+
+
 def test_malformed_bodies_and_the_openai_client_errors(server, api) -> None:
     url = f"{server[1]}/v1/chat/completions"
     for raw in (b"{not json", b"[1, 2]", b""):
@@ -204,12 +243,18 @@ def test_malformed_bodies_and_the_openai_client_errors(server, api) -> None:
         api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=3)
 
 
-def test_long_prompt_is_refused_with_full_but_served_with_h2o(api) -> None:
+def test_a_prompt_past_the_context_is_refused_whatever_the_policy(api) -> None:
+    """A bounded cache bounds memory, not positions: past the model's context every policy is refused, naming both
+    numbers; the same prompt cut to fit is served by the default bounded policy."""
     ids = list(range(5, 5 + CONTEXT + 100))
-    with pytest.raises(openai.BadRequestError):
-        _greedy(api, prompt=ids, extra_body={"kv_policy": "full"})
-    out = _greedy(api, prompt=ids, max_tokens=3)  # the server's default: h2o at 20 % of the prompt
-    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 3
+    for extra in ({"kv_policy": "full"}, {}):  # {}: the server's default, a bounded policy
+        with pytest.raises(openai.BadRequestError) as refused:
+            _greedy(api, prompt=ids, extra_body=extra)
+        error = refused.value.body
+        assert error["code"] == "context_length_exceeded" and error["param"] == "prompt", error
+        assert f"prompt ({len(ids)} tokens)" in error["message"] and f"context of {CONTEXT} tokens" in error["message"]
+    out = _greedy(api, prompt=ids[: CONTEXT - 3], max_tokens=3)
+    assert out.usage.prompt_tokens == CONTEXT - 3 and out.usage.completion_tokens == 3
 
 
 def test_client_disconnect_cancels_and_frees_the_kv(server, api) -> None:

@@ -37,6 +37,8 @@ def test_the_limits_are_in_the_metrics(served):
     _, url = served
     for name, value in (("max_body_bytes", 2048), ("max_prompt_tokens", 40), ("max_new_tokens", 900), ("max_queue", 1)):
         assert metric(url, "h2o_kv_request_limit", {"limit": name}) == value
+    context = served[0].context_limit  # prompt + max_tokens past it: 400 context_length_exceeded, whatever the policy
+    assert metric(url, "h2o_kv_request_limit", {"limit": "context_tokens"}) == context > 0
 
 
 def test_a_body_over_the_limit_gets_413(served):

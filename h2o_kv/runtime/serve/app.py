@@ -114,9 +114,8 @@ def create_app(engine, model_name: str, *, tokenizer=None, manage_engine: bool =
     whatever still runs) on shutdown; uvicorn's graceful shutdown lets open streams finish first.
     """
     tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
-    metrics = ServerMetrics(
-        engine, {name: value for name, value in dataclasses.asdict(limits).items() if value is not None}
-    )
+    bounds = {name: value for name, value in dataclasses.asdict(limits).items() if value is not None}
+    metrics = ServerMetrics(engine, {**bounds, "context_tokens": engine.context_limit})
     created = int(time.time())
 
     @asynccontextmanager
@@ -130,6 +129,15 @@ def create_app(engine, model_name: str, *, tokenizer=None, manage_engine: bool =
     app = FastAPI(title="h2o-kv", lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.limits, app.state.draining = engine, metrics, limits, False
 
+    _guard(app, metrics, limits, api_keys)
+    _info_routes(app, engine, metrics, model_name, created)
+    _completion_routes(app, engine, tokenizer, metrics, limits, model_name)
+    return app
+
+
+def _guard(app: FastAPI, metrics: ServerMetrics, limits: Limits, api_keys: Sequence[str]) -> None:
+    """What every request passes first: the API key, the body's size, the drain, the client timeouts; and the
+    errors answered in OpenAI's shape."""
     keys = [key.encode() for key in api_keys]
 
     @app.middleware("http")
@@ -175,6 +183,10 @@ def create_app(engine, model_name: str, *, tokenizer=None, manage_engine: bool =
         kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
         return await api_error(request, ApiError(err.status_code, str(err.detail), type=kind))
 
+
+def _info_routes(app: FastAPI, engine, metrics: ServerMetrics, model_name: str, created: int) -> None:
+    """/health, /metrics, /reset_peaks and /v1/models."""
+
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok", "model": model_name}
@@ -196,31 +208,29 @@ def create_app(engine, model_name: str, *, tokenizer=None, manage_engine: bool =
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str) -> dict:
-        _check_model(name)
+        _check_model(name, model_name)
         return schemas.model_card(model_name, created)
+
+
+def _completion_routes(app: FastAPI, engine, tokenizer, metrics: ServerMetrics, limits: Limits,
+                       model_name: str) -> None:  # fmt: skip
+    """/v1/completions and /v1/chat/completions: tokenize, check (`requests.resolve`), submit, answer or stream."""
 
     @app.post("/v1/completions")
     async def completions(body: schemas.CompletionRequest, request: Request):
-        _check_model(body.model)
+        _check_model(body.model, model_name)
         ids = prompt_ids(tokenizer, body.prompt, vocab_size=_vocab_size(engine, tokenizer))
         return await _serve(request, body, ids, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: schemas.ChatRequest, request: Request):
-        _check_model(body.model)
+        _check_model(body.model, model_name)
         if not getattr(tokenizer, "chat_template", None):
             raise ApiError(400, f"model {model_name!r} has no chat template; use /v1/completions", param="messages")
         messages = [message.template_dict() for message in body.messages]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
         return await _serve(request, body, ids, chat=True)
-
-    def _check_model(name: str) -> None:
-        if name != model_name:
-            raise ApiError(
-                404, f"the model {name!r} does not exist; this server serves {model_name!r}", param="model",
-                code="model_not_found", type="not_found_error",
-            )  # fmt: skip
 
     async def _serve(request: Request, body: schemas._Request, ids: list[int], *, chat: bool):
         arrived = time.perf_counter()
@@ -263,7 +273,13 @@ def create_app(engine, model_name: str, *, tokenizer=None, manage_engine: bool =
             reply["kv_warning"] = warning
         return JSONResponse(reply, headers=warned)
 
-    return app
+
+def _check_model(name: str, model_name: str) -> None:
+    if name != model_name:
+        raise ApiError(
+            404, f"the model {name!r} does not exist; this server serves {model_name!r}", param="model",
+            code="model_not_found", type="not_found_error",
+        )  # fmt: skip
 
 
 def key_matches(header: str | None, keys: list[bytes]) -> bool:

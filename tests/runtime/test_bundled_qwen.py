@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import h2o_kv
-from h2o_kv.runtime.models import QWEN_EOS, installed, load_model
+from h2o_kv.runtime.bundled import QWEN_EOS, installed
+from h2o_kv.runtime.models import load_model
 
 NAME = "qwen2.5-coder-0.5b"
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not installed(NAME), reason=f"{NAME} is installed by make setup")]

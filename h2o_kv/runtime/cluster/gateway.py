@@ -187,6 +187,8 @@ async def _relay(parts, drain: Drain, broken: Counter):
         yield _last_event("the server shut down before this stream finished (--drain-timeout)", "shutting_down")
     finally:
         drain.calls.discard(parts)
+        # the router stops counting it against its replica now, before the client can send its next request
+        reports.finish(getattr(parts, "request_id", ""))  # a handle's response has one (a test's stand-in may not)
         if not done:  # the client went away: the replica's app sees a disconnect and frees the request
             parts.cancel()
 

@@ -4,7 +4,10 @@ A Ray Serve `RequestRouter` for the engine replicas. Each replica reports its ad
 (`EngineReplica.record_routing_stats`: KV bytes allowed minus reserved, waiting and running requests) every
 `STATS_PERIOD` seconds. Requests the router chose for a replica after its last report, and still in flight,
 count against its room (each as the average reservation of a running request), so a burst does not all land on
-the replica that looked emptiest at the last report. A request with a session id (the
+the replica that looked emptiest at the last report. A request stops counting as soon as the gateway has relayed its
+answer to the end (`reports.finished`), not only when Ray Serve's completion callback comes: that callback can come
+after the client's next request is routed, and one finished request counted as in flight made the replica with room
+look as full as the busy one. A request with a session id (the
 `X-Session-Id` header or the body's `user` field, set by the gateway) goes back to the replica that served
 that session, while that replica is alive. The latest stats of every replica are kept in `reports.LATEST` for
 the gateway's aggregated /metrics (the router lives in the gateway's process).
@@ -46,13 +49,19 @@ class KVRoomRouter(RequestRouter):
 
     def initialize_state(self, **kwargs) -> None:
         self.sessions: OrderedDict[str, ReplicaID] = OrderedDict()  # the most recent SESSIONS conversations
-        self.flight: dict[str, tuple[ReplicaID, float]] = {}  # request id -> (replica, when chosen)
+        # internal request id -> (replica, when chosen, the Serve request id the gateway reports finished)
+        self.flight: dict[str, tuple[ReplicaID, float, str]] = {}
         self.reports: dict[ReplicaID, tuple[object, float]] = {}  # replica -> (its last stats, when they came)
 
     def unreported(self, replica_id: ReplicaID) -> int:
-        """Requests in flight to the replica, chosen after its last report (so not yet in its stats)."""
+        """Requests in flight to the replica, chosen after its last report (so not yet in its stats), whose answers
+        the gateway has not finished relaying."""
         since = self.reports.get(replica_id, (None, 0.0))[1]
-        return sum(1 for rid, at in self.flight.values() if rid == replica_id and at > since)
+        return sum(
+            1
+            for rid, at, request in self.flight.values()
+            if rid == replica_id and at > since and not reports.finished(request)
+        )
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -64,7 +73,7 @@ class KVRoomRouter(RequestRouter):
                 self.reports[replica.replica_id] = (stats, time.monotonic())
         for gone in set(reports.LATEST) - {replica.unique_id for replica in alive}:
             del reports.LATEST[gone]
-        self.flight = {rid: (replica, at) for rid, (replica, at) in self.flight.items() if replica in alive}
+        self.flight = {rid: entry for rid, entry in self.flight.items() if entry[0] in alive}
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -83,15 +92,19 @@ class KVRoomRouter(RequestRouter):
             reverse=True,
         )
         if pending_request is not None:  # counted when chosen: requests routed together are all chosen first
-            self.flight[pending_request.metadata.internal_request_id] = (ranked[0].replica_id, time.monotonic())
+            meta = pending_request.metadata
+            self.flight[meta.internal_request_id] = (ranked[0].replica_id, time.monotonic(), meta.request_id)
         return [[replica] for replica in ranked]
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self.flight.pop(internal_request_id, None)
+        entry = self.flight.pop(internal_request_id, None)
+        if entry is not None:
+            reports.forget(entry[2])
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        request = pending_request.metadata.internal_request_id
-        self.flight[request] = (replica_id, self.flight.get(request, (None, time.monotonic()))[1])
+        meta = pending_request.metadata
+        chosen = self.flight.get(meta.internal_request_id, (None, time.monotonic()))[1]
+        self.flight[meta.internal_request_id] = (replica_id, chosen, meta.request_id)
         session = pending_request.metadata.session_id
         if session:
             self.sessions[session] = replica_id

@@ -104,3 +104,35 @@ def test_the_runtime_reads_no_cache_layer():
             if isinstance(node, ast.Attribute) and node.attr in ("layers", "next_pos", "packed", "pending", "vacant"):
                 offenders.append(f"{path.name}:{node.lineno} .{node.attr}")
     assert not offenders, offenders
+
+
+def test_compress_a_document_once_and_ask_many_questions_with_generate(llama):
+    """The documented pattern: the document goes through the cache once (compressed to its budget), and each
+    question is generated from a fork, exactly as from a cache that was fed the document and that question alone;
+    the compressed document stays as it was."""
+    doc = random_ids(1, 60, seed=2)
+
+    def compressed() -> h2o_kv.KVCache:
+        cache = h2o_kv.KVCache(h2o_kv.SnapKV(budget=0.25), prompt_len=doc.shape[1])
+        with torch.no_grad():
+            llama(doc, past_key_values=cache, use_cache=True)
+        return cache
+
+    cache = compressed()
+    kept = cache.kept_per_head().clone()
+    for seed in range(3):
+        ids = torch.cat([doc, random_ids(1, 8, seed=10 + seed)], 1)
+        got = llama.generate(ids, past_key_values=cache.fork(), max_new_tokens=6, do_sample=False)
+        want = llama.generate(ids, past_key_values=compressed(), max_new_tokens=6, do_sample=False)
+        assert torch.equal(got, want)
+        assert torch.equal(cache.kept_per_head(), kept) and cache.get_seq_length() == doc.shape[1]
+
+
+def test_a_fork_refuses_another_model(llama):
+    from conftest import make_model
+
+    cache = h2o_kv.KVCache(h2o_kv.H2O(heavy=4, recent=4))
+    prefill(llama, cache, random_ids(1, 20))
+    other = make_model("gemma3")
+    with pytest.raises(ValueError, match="filled by another model|belongs to one model"):
+        prefill(other, cache.fork(), random_ids(1, 4), start=20)

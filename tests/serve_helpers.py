@@ -21,7 +21,7 @@ def bundled_tokenizer():
     from h2o_kv.runtime.models import _resolve, bundled_gguf_path
 
     try:
-        bundled_gguf_path()
+        bundled_gguf_path("smollm2-135m")
     except FileNotFoundError as err:
         pytest.skip(str(err))
     tok = tf.AutoTokenizer.from_pretrained(_resolve("smollm2-135m"))

@@ -139,8 +139,9 @@ def test_ctrl_c_stops_generation_cleanly(tmp_path):
     """SIGINT during a long generation: exit 130, what was generated is printed, no traceback."""
     if not (models.cache_dir() / "models" / "smollm2-135m" / "config.json").is_file():
         pytest.skip("bundled model not converted (make setup)")
+    argv = ["generate", "Count from one to a million in words.", "--model", "smollm2-135m", "--max-new-tokens", "3000"]
     proc = subprocess.Popen(
-        [str(H2O_KV), "generate", "Count from one to a million in words.", "--max-new-tokens", "3000"],
+        [str(H2O_KV), *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=OFFLINE_ENV,
@@ -230,7 +231,8 @@ def test_a_budget_that_keeps_few_tokens_is_one_warning_line(monkeypatch, capsys,
 
     model = tiny_model(tokenizer)
     monkeypatch.setattr(models, "load_model", lambda *a, **kw: (model, tokenizer))
-    code = cli.main(["generate", "Explain KV caches.", "--policy", "h2o", "--budget", "0.2", "--max-new-tokens", "2"])
+    argv = ["generate", "Explain KV caches.", "--model", "smollm2-135m", "--policy", "h2o", "--budget", "0.2"]
+    code = cli.main([*argv, "--max-new-tokens", "2"])
     assert code == 0
     warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
     assert len(warned) == 1 and warned[0].startswith("h2o-kv: warning: H2O(budget=0.2) keeps "), warned
@@ -315,9 +317,31 @@ def test_a_prompt_past_the_context_is_one_line_and_exit_2(monkeypatch, capsys, t
     monkeypatch.setattr(models, "load_model", lambda *a, **kw: (model, tokenizer))
     long = tmp_path / "long.txt"
     long.write_text("the cache keeps a fifth of this. " * CONTEXT)
-    assert cli.main(["generate", "--file", str(long), "--max-new-tokens", "4"]) == 2
+    assert cli.main(["generate", "--file", str(long), "--model", "smollm2-135m", "--max-new-tokens", "4"]) == 2
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("h2o-kv"), captured.err
     assert f"exceed the model's context of {CONTEXT} tokens" in lines[0] and "max_tokens (4)" in lines[0]
     assert captured.out == ""
+
+
+def test_the_demo_prints_its_question_each_short_answer_and_the_bytes_each_cache_kept(monkeypatch, capsys, tokenizer):
+    """`h2o-kv demo`: the question it asks, then one row per cache (Full, the default policy, H2O) with its answer,
+    its kept / seen tokens and the KV bytes kept; the bounded caches keep a fifth of the prompt."""
+    from serve_helpers import tiny_model
+
+    model = tiny_model(tokenizer)
+    monkeypatch.setattr(models, "load_model", lambda *a, **kw: (model, tokenizer))
+    assert cli.main(["demo", "--model", "smollm2-135m", "--words", "300", "--max-new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert f"\n    {cli.DEMO_QUESTION} Answer in a few words.\n" in out
+    rows = {line.split(" | ")[0].strip(): line.split(" | ") for line in out.splitlines() if " MiB " in line + " "}
+    titles = ["Full cache", f"{cli.DEFAULT_POLICY} at 20% of the prompt (default)", "h2o at 20% of the prompt"]
+    assert list(rows) == titles, out
+    prompt = int(out.split("The prompt: ")[1].split(" tokens")[0])
+    kept = {title: [int(n) for n in rows[title][2].split(" / ")] for title in titles}
+    assert kept["Full cache"] == [prompt + 2, prompt + 2]  # the prompt and the answer's tokens before the last
+    assert all(k == int(0.2 * prompt) and s == prompt + 2 for k, s in (kept[titles[1]], kept[titles[2]]))
+    assert all(rows[title][3].strip().endswith(" MiB") for title in titles)
+    shares = [int(rows[title][4].strip().rstrip("%")) for title in titles]
+    assert shares[0] == 100 and all(0 < share <= 21 for share in shares[1:]), out

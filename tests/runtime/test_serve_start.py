@@ -43,7 +43,8 @@ def test_the_start_up_line_names_model_policy_budget_and_kv_memory(monkeypatch):
     monkeypatch.setattr(models, "load_model", lambda *a, **kw: (tiny_model(tokenizer), tokenizer))
     seen = []
     monkeypatch.setattr(server.Server, "run", lambda self: seen.append(self.announce))
-    argv = ["serve", "--port", "0", "--policy", "h2o", "--budget", "64", "--kv-memory", "256MiB", "--max-batch", "4"]
+    argv = ["serve", "--port", "0", "--model", "smollm2-135m", "--policy", "h2o", "--budget", "64",
+            "--kv-memory", "256MiB", "--max-batch", "4"]  # fmt: skip
     assert cli.main(argv) == 0
     assert seen == [
         "model smollm2-135m on cpu, policy h2o, budget 64 tokens per sequence and KV head, KV memory 256 MiB "

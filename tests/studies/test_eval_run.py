@@ -115,7 +115,7 @@ def test_text_windows_are_deterministic_and_from_each_text(tokenizer, corpus: Pa
 
 @pytest.mark.slow
 def test_tiny_budget_raises_real_perplexity(tokenizer) -> None:
-    model, _ = h2o_kv.load_model()
+    model, _ = h2o_kv.load_model("smollm2-135m")
     windows = text_windows(tokenizer, None, n=1, length=160)
     full = perplexity_stats(stream_nll(model, windows, "full", None, chunk=8))["ppl"]
     tiny = perplexity_stats(stream_nll(model, windows, "local", 4, chunk=1))["ppl"]

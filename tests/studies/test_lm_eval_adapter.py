@@ -60,7 +60,7 @@ def offline(monkeypatch, tmp_path) -> None:
 @pytest.fixture(scope="module")
 def bundled() -> None:
     try:
-        bundled_gguf_path()
+        bundled_gguf_path("smollm2-135m")
     except FileNotFoundError as err:
         pytest.skip(str(err))
 

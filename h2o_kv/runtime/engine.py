@@ -30,6 +30,7 @@ from h2o_kv.model_config import text_config
 from h2o_kv.policies import Policy
 from h2o_kv.runtime.admission import SlotCount, admission_bytes
 from h2o_kv.runtime.generation import Sampling, eos_ids
+from h2o_kv.runtime.prefixes import PrefixStore
 from h2o_kv.runtime.request import Completion, Event, Request
 from h2o_kv.runtime.scheduler import Scheduler
 from h2o_kv.runtime.steps import EagerSteps
@@ -54,6 +55,7 @@ class Engine:
         sinks: int = 4,
         mode: str = "drop",
         kv_dtype: str | None = None,
+        session_memory: int | None = None,
     ) -> None:
         # the defaults must make sense; a Full default keeps `budget` for requests naming a bounded policy
         policies.build(policy, None if str(policy).lower() == "full" else budget, sinks=sinks)
@@ -62,6 +64,9 @@ class Engine:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if kv_memory is not None and (isinstance(kv_memory, bool) or not isinstance(kv_memory, int) or kv_memory < 1):
             raise ValueError(f"kv_memory must be a positive number of bytes, got {kv_memory!r}")
+        if session_memory is not None and (isinstance(session_memory, bool) or not isinstance(session_memory, int)
+                                           or session_memory < 0):  # fmt: skip
+            raise ValueError(f"session_memory must be a number of bytes (0: off), got {session_memory!r}")
         self.model, self.tokenizer = enable(model), tokenizer
         check_kv_dtype(kv_dtype)
         if model.device.type == "cpu" and native.resolve(None):  # what the engine's caches (compile_kernel=None) use
@@ -73,7 +78,10 @@ class Engine:
         self._count = SlotCount(config, model.dtype, kv_dtype, mode, prefill_chunk)
         self._lock = threading.Condition()  # guards the waiting queue (submit never waits for a step)
         self._state = threading.Lock()  # held by a step while it changes the batches; stats() reads under it
-        self._runs = Scheduler(self._count, kv_memory=kv_memory, max_batch=max_batch, new_cache=self._new_cache)
+        self.session_memory = session_memory or None
+        self.prefixes = PrefixStore(session_memory) if session_memory else None  # kept caches, for reuse
+        self._runs = Scheduler(self._count, kv_memory=kv_memory, max_batch=max_batch, new_cache=self._new_cache,
+                               prefixes=self.prefixes)  # fmt: skip
         self.eos = eos_ids(model, tokenizer)
         self._steps = EagerSteps(model, eos=self.eos, prefill_chunk=prefill_chunk,
                                  held=self._note_peaks)  # fmt: skip
@@ -154,6 +162,8 @@ class Engine:
                 "kv_bytes_peak": self.peaks["kv_bytes_in_use"],
                 "generated_tokens": self._steps.generated_tokens,
                 "finished_requests": self._steps.finished_requests,
+                "session_memory": self.session_memory,
+                **(PrefixStore.NONE if self.prefixes is None else self.prefixes.stats()),
             }
 
     def waiting(self) -> int:

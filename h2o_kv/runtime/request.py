@@ -61,6 +61,7 @@ class Request:
     generator: torch.Generator | None = None
     ignore_eos: bool = False  # benchmarks: generate exactly max_tokens
     cache_stats: dict = field(default_factory=dict)  # kept/seen tokens and KV bytes at the end
+    reused_tokens: int = 0  # prompt tokens a kept cache had seen (not prefilled; runtime/prefixes.py)
     _text: str = ""  # text emitted so far
     _cancelled: threading.Event = field(default_factory=threading.Event)
     _done: threading.Event = field(default_factory=threading.Event)

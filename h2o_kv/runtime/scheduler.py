@@ -3,10 +3,16 @@
 A request waits (`waiting`, FIFO) until its KV memory fits beside everyone running (`admit`: `projected` bytes
 within `kv_memory`, at most `max_batch` running); then its prompt goes in, one chunk per engine step, oldest first
 (`prefill`); then it decodes in its policy's `Batch`. Nothing here calls the model: the engine does.
+
+With a prefix store (`prefixes.py`, the engine's `session_memory`), a request that ends with its answer leaves its
+cache behind (`keep`), and an admitted request whose prompt extends a kept sequence starts from a fork of it. Kept
+bytes are reclaimable: admission drops them (least recently used first) to make room, so running requests plus kept
+caches stay within `kv_memory`, and no request waits for them.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable
 
@@ -14,15 +20,20 @@ from h2o_kv.cache.kvcache import KVCache
 from h2o_kv.policies import Policy
 from h2o_kv.runtime.admission import SlotCount
 from h2o_kv.runtime.batch import Batch
+from h2o_kv.runtime.prefixes import PrefixStore
 from h2o_kv.runtime.request import Request
+
+log = logging.getLogger(__name__)
 
 
 class Scheduler:
-    """The requests of one engine by stage; `new_cache(request)` makes an admitted request's cache."""
+    """The requests of one engine by stage; `new_cache(request)` makes an admitted request's cache; `prefixes` keeps
+    finished requests' caches for prompts that extend them (None: off)."""
 
     def __init__(self, count: SlotCount, *, kv_memory: int | None, max_batch: int,
-                 new_cache: Callable[[Request], KVCache]) -> None:  # fmt: skip
+                 new_cache: Callable[[Request], KVCache], prefixes: PrefixStore | None = None) -> None:  # fmt: skip
         self.count, self.kv_memory, self.max_batch, self.new_cache = count, kv_memory, max_batch, new_cache
+        self.prefixes = prefixes
         self.waiting: deque[Request] = deque()  # submitted, not admitted
         self.prefill: deque[tuple[Request, KVCache]] = deque()  # admitted, prompt going in
         self.batches: dict[Policy, Batch] = {}  # decoding, by policy
@@ -36,10 +47,37 @@ class Scheduler:
         """Move waiting requests to the prefill queue while their KV memory fits (FIFO: none overtakes the head)."""
         while self.waiting and self.running() < self.max_batch:
             request = self.waiting[0]
-            if self.kv_memory is not None and self.projected(request) > self.kv_memory:
+            room = None if self.kv_memory is None else self.kv_memory - self.projected(request)
+            if room is not None and room < 0:
                 return
             self.waiting.popleft()
-            self.prefill.append((request, self.new_cache(request)))
+            self.prefill.append((request, self._start(request, room)))
+
+    def _start(self, request: Request, room: int | None) -> KVCache:
+        """An admitted request's cache: a fork of the longest kept prefix of its prompt (the store first shrinking
+        to the `room` running requests leave), or a new one."""
+        reused = None if self.prefixes is None else self.prefixes.checkout(request.policy, request.prompt_ids, room)
+        if reused is None:
+            return self.new_cache(request)
+        request.reused_tokens, cache = reused
+        return cache
+
+    def keep(self, request: Request, cache: KVCache, row: int | None = None) -> None:
+        """A request ended: with a prefix store, and an answer (not cancelled, no error), keep what its cache has seen
+        (prompt and answer but its last token, never fed). `row`: its row of a batch's cache, copied (the batch goes
+        on; the copy is the row's slots); None: `cache` is its own and is kept as is. Call `trim` once it has left."""
+        if self.prefixes is None or request.finish_reason not in ("stop", "length"):
+            return
+        seen = request.prompt_ids + request.token_ids[:-1]
+        try:
+            self.prefixes.put(request.policy, seen, cache if row is None else cache.fork([row]))
+        except Exception:  # a cache not kept costs a later prefill, never the engine
+            log.exception("%s: its cache was not kept for reuse", request.id)
+
+    def trim(self) -> None:
+        """Drop kept caches until they fit in what the running requests leave of `kv_memory`."""
+        if self.prefixes is not None and self.kv_memory is not None:
+            self.prefixes.evict(max(0, self.kv_memory - self.projected()))
 
     def take_cancelled(self) -> list[Request]:
         """Remove every cancelled request from its stage (a decoding one records what it held) and return them."""
@@ -73,6 +111,7 @@ class Scheduler:
             del self.batches[policy]
         else:
             batch.leave(rows)
+        self.trim()
 
     def running(self) -> int:
         return len(self.prefill) + sum(len(batch) for batch in self.batches.values())
@@ -90,12 +129,12 @@ class Scheduler:
     def reserved(self) -> int:
         return sum(r.kv_bytes for r in self.all_running())
 
-    def projected(self, extra: Request) -> int:
-        """KV bytes if `extra` were admitted: every batch at its widest row (prompts still going in
-        counted in their batch), plus the largest prompt in flight (one prompt is prefilled at a time)."""
+    def projected(self, extra: Request | None = None) -> int:
+        """KV bytes if `extra` were admitted (None: of those running): every batch at its widest row (prompts still
+        going in counted in their batch), plus the largest prompt in flight (one prompt is prefilled at a time)."""
         groups: dict[Policy, list[int]] = {}
         prefill = 0
-        for request in [*self.all_running(), extra]:
+        for request in [*self.all_running(), *([extra] if extra is not None else [])]:
             decode, prompt = self.count.slots(request.policy, request.prompt_tokens, request.max_tokens)
             groups.setdefault(request.policy, []).append(decode)
             if request is extra or any(request is r for r, _ in self.prefill):

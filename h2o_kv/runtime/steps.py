@@ -2,9 +2,11 @@
 
 `prefill` feeds the next chunk of the oldest prompt going in and, once the prompt is all in, samples its first
 token and lets the request join its policy's batch; `decode` steps one policy's batch and lets its finished rows
-go. The model calls are eager `forward`s today (`_prefill_call`, `_decode_call`); a steady step captured per batch
-bucket plugs in at `_decode_call`, and nothing else changes. A request whose call or sampling fails ends with the
-error; everyone else goes on.
+go. A prompt continues where its cache has seen it to (`seen_tokens`: a kept prefix's fork starts past it), and a
+request that ends with its answer leaves its cache to the scheduler's prefix store (`Scheduler.keep`). The model
+calls are eager `forward`s today (`_prefill_call`, `_decode_call`); a steady step captured per batch bucket plugs in
+at `_decode_call`, and nothing else changes. A request whose call or sampling fails ends with the error; everyone
+else goes on.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ class EagerSteps:
             return
         if self._push(request, token):
             request.cache_stats = record_of(cache, 0)
+            runs.keep(request, cache)
+            runs.trim()
             return
         runs.join(request, cache, self.model.device)
 
@@ -74,6 +78,7 @@ class EagerSteps:
         for i in finished:
             if tokens[i] is not None:
                 batch.record(i)
+                runs.keep(rows[i], batch.cache, i)  # before its row is freed
         batch.advance(tokens, argmax if all(r.sampling.greedy for r in rows) else None)
         if finished:
             runs.leave(policy, finished)

@@ -16,21 +16,22 @@ from pathlib import Path
 
 from h2o_kv import policies
 from h2o_kv.cache.formats import KV_DTYPES
+from h2o_kv.runtime.bundled import BUNDLED_NAME
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_bytes(text: str) -> int:
-    """'512MiB', '2GB', '1.5GiB' or plain bytes '1000000' as a byte count (>= 1)."""
+def parse_bytes(text: str, flag: str = "--kv-memory", minimum: int = 1) -> int:
+    """'512MiB', '2GB', '1.5GiB' or plain bytes '1000000' as a byte count (>= `minimum`); `flag` names it in errors."""
     match = _SIZE.match(str(text))
     unit = match.group(2).lower() if match else None
     if not match or unit not in _UNITS:
-        raise ValueError(f"--kv-memory {text!r} is not a size: give bytes (1000000) or e.g. 512MiB, 2GB, 1.5GiB")
+        raise ValueError(f"{flag} {text!r} is not a size: give bytes (1000000) or e.g. 512MiB, 2GB, 1.5GiB")
     size = int(float(match.group(1)) * _UNITS[unit])
-    if size < 1:
-        raise ValueError(f"--kv-memory must be at least 1 byte, got {text!r}")
+    if size < minimum:
+        raise ValueError(f"{flag} must be at least {minimum} byte{'s' if minimum != 1 else ''}, got {text!r}")
     return size
 
 
@@ -79,7 +80,9 @@ def startup_line(engine, model_name: str) -> str:
     storage = engine.kv_dtype or str(engine.model.dtype).removeprefix("torch.")
     memory = "unbounded" if engine.kv_memory is None else _size(engine.kv_memory)
     return (f"model {model_name} on {engine.model.device.type}, policy {engine.policy}, {kept}, KV memory {memory} "
-            f"({storage} keys and values), up to {engine.max_batch} sequences at once")  # fmt: skip
+            f"({storage} keys and values), up to {engine.max_batch} sequences at once"
+            + ("" if not getattr(engine, "session_memory", None) else
+               f", up to {_size(engine.session_memory)} of it kept from finished requests for reuse"))  # fmt: skip
 
 
 def engine_settings(args: argparse.Namespace) -> dict:
@@ -89,6 +92,7 @@ def engine_settings(args: argparse.Namespace) -> dict:
         budget = None
     policies.build(args.policy, budget, sinks=args.sinks)  # the CLI's rule: refuse a bad pair now
     kv_memory = None if args.kv_memory is None else parse_bytes(args.kv_memory)
+    session_memory = parse_bytes(args.session_memory, "--session-memory", minimum=0) or None
     for flag, value in (("--max-batch", args.max_batch), ("--prefill-chunk", args.prefill_chunk)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
@@ -100,6 +104,7 @@ def engine_settings(args: argparse.Namespace) -> dict:
         prefill_chunk=args.prefill_chunk,
         sinks=args.sinks,
         kv_dtype=args.kv_dtype,
+        session_memory=session_memory,
     )
 
 
@@ -185,7 +190,8 @@ def add_parser(sub) -> None:
         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics on "
         "127.0.0.1. Requests may override the KV policy and budget with the body fields kv_policy, kv_budget.",
     )
-    serve.add_argument("--model", default="smollm2-135m", help="bundled name, HF id, local dir or .gguf file")
+    serve.add_argument("--model", default=BUNDLED_NAME, help=f"bundled name, HF id, local dir or .gguf file (default "
+                       f"{BUNDLED_NAME})")  # fmt: skip
     serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: from --model)")
     serve.add_argument("--device", default="cpu")
     serve.add_argument(
@@ -201,6 +207,10 @@ def add_parser(sub) -> None:
     serve.add_argument(
         "--kv-memory", default="1GiB", help="bytes the KV cache may use, e.g. 512MiB, 2GB (default 1GiB)"
     )
+    serve.add_argument("--session-memory", default="0",
+                       help="KV bytes (within --kv-memory) kept from finished requests, e.g. 256MiB: a prompt that "
+                       "extends a kept conversation or document prefills only its new tokens; least recently used "
+                       "dropped first, and whenever running requests need the room (default 0: off)")  # fmt: skip
     serve.add_argument(
         "--kv-dtype",
         default=None,

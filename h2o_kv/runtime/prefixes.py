@@ -1,0 +1,107 @@
+"""Automatic prefix reuse: finished requests' bounded caches, kept by the token ids they have seen, in a byte budget.
+
+When a request ends with its answer (`stop` or `length`), its cache has seen the prompt and every generated token but
+the last (sampled, never fed). `PrefixStore.put` keeps that cache under (policy, those ids). A later request whose
+prompt extends a kept sequence (the kept ids are a proper prefix of its prompt, under the same policy object) starts
+from a fork of it (`checkout`: `KVCache.fork()`, the kept entry stays for the next one) and prefills only the new
+tokens. The reused cache is exactly the one cache that was fed the first prompt, its answer and then the extension:
+its capacity is the kept cache's (a fraction budget stays sized by the first prompt), as one cache fed the same calls
+in one run would have it. With `Full()` that is a fresh prefill's cache.
+
+The store holds at most `budget` bytes (`KVCache.nbytes()` of its caches), least recently used out first; the
+scheduler also drops kept caches whenever running requests need the room (`evict`), so kept bytes never make a
+request wait. Everything here runs on the engine's thread, under its step lock.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from h2o_kv.cache.kvcache import KVCache
+from h2o_kv.policies import Policy
+
+Key = tuple[Policy, tuple[int, ...]]
+
+
+class PrefixStore:
+    """Kept caches by (policy, token ids seen), least recently used first; at most `budget` bytes held."""
+
+    def __init__(self, budget: int) -> None:
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"a prefix store's budget must be a positive number of bytes, got {budget!r}")
+        self.budget = budget
+        self._entries: OrderedDict[Key, tuple[KVCache, int]] = OrderedDict()  # oldest use first
+        self.held = 0  # bytes of the kept caches
+        self.peak = 0  # most bytes held at once
+        self.hits = 0  # requests that started from a kept cache
+        self.tokens_reused = 0  # prompt tokens those requests did not prefill
+        self.dropped = 0  # kept caches let go for room
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, policy: Policy, ids: list[int], cache: KVCache) -> None:
+        """Keep `cache`, which has seen exactly `ids` under `policy` (the store owns it now); the least recently used
+        go while the store is over its budget. A cache larger than the whole budget is not kept."""
+        if cache.seen_tokens != len(ids):
+            raise ValueError(f"the cache has seen {cache.seen_tokens} tokens, not the {len(ids)} it is kept under")
+        key = (policy, tuple(ids))
+        self._remove(key)
+        size = cache.nbytes()
+        if size > self.budget:
+            return
+        self.evict(self.budget - size)
+        self._entries[key] = (cache, size)
+        self.held += size
+        self.peak = max(self.peak, self.held)
+
+    def longest(self, policy: Policy, ids: list[int]) -> Key | None:
+        """The key of the longest kept sequence under `policy` that is a proper prefix of `ids` (None: none is),
+        marked as just used."""
+        ids = tuple(ids)
+        best = None
+        for key in self._entries:
+            mine, seen = key
+            if mine == policy and len(seen) < len(ids) and (best is None or len(seen) > len(best[1])):
+                if ids[: len(seen)] == seen:
+                    best = key
+        if best is not None:
+            self._entries.move_to_end(best)
+        return best
+
+    def checkout(self, policy: Policy, ids: list[int], room: int | None = None) -> tuple[int, KVCache] | None:
+        """A prompt starts: (tokens reused, a fork of the longest kept prefix of `ids` under `policy`), or None.
+        First the store shrinks to `room` bytes (what running requests leave), the prefix wanted kept last."""
+        key = self.longest(policy, ids)
+        if room is not None:
+            self.evict(room)
+        if key is None or key not in self._entries:
+            return None
+        self.hits += 1
+        self.tokens_reused += len(key[1])
+        return len(key[1]), self._entries[key][0].fork()
+
+    def evict(self, limit: int) -> None:
+        """Drop the least recently used kept caches until at most `limit` bytes are held."""
+        while self._entries and self.held > limit:
+            key = next(iter(self._entries))
+            self._remove(key)
+            self.dropped += 1
+
+    def _remove(self, key: Key) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.held -= entry[1]
+
+    NONE = {"prefix_hits": 0, "prefix_tokens_reused": 0, "prefix_bytes_held": 0, "prefix_bytes_peak": 0,
+            "prefix_entries": 0, "prefix_dropped": 0}  # fmt: skip  # an engine without a store
+
+    def stats(self) -> dict:
+        return {
+            "prefix_hits": self.hits,
+            "prefix_tokens_reused": self.tokens_reused,
+            "prefix_bytes_held": self.held,
+            "prefix_bytes_peak": self.peak,
+            "prefix_entries": len(self._entries),
+            "prefix_dropped": self.dropped,
+        }

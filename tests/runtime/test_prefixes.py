@@ -1,0 +1,218 @@
+"""Automatic prefix reuse: a kept cache serves the prompts that extend it, exactly as one cache fed the same calls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import h2o_kv
+from h2o_kv.runtime.engine import Engine
+from h2o_kv.runtime.generation import decode_step, prefill
+from h2o_kv.runtime.prefixes import PrefixStore
+
+from conftest import make_model, make_tokenizer, random_ids
+
+CHUNK = 16
+ANSWER = 6  # tokens per answer (ignore_eos: every answer ends by length)
+
+
+def ids(length: int, seed: int) -> list[int]:
+    return random_ids(1, length, seed=seed)[0].tolist()
+
+
+def engine(session_memory: int | None = 2**30, **kwargs) -> Engine:
+    return Engine(make_model("llama"), make_tokenizer(), prefill_chunk=CHUNK, session_memory=session_memory, **kwargs)
+
+
+def first_logits(engine: Engine) -> list[torch.Tensor]:
+    """Every prefill call's last logits, in order (a prompt's last call gives its first token's)."""
+    calls, original = [], engine._steps._prefill_call
+
+    def call(cache, ids, start):
+        calls.append(original(cache, ids, start))
+        return calls[-1]
+
+    engine._steps._prefill_call = call
+    return calls
+
+
+def ask(engine: Engine, prompt: list[int], **kwargs):
+    request = engine.submit(prompt, max_tokens=ANSWER, ignore_eos=True, **kwargs)
+    engine.run()
+    return request
+
+
+def one_cache(model, policy, first: list[int], extensions: list[list[int]]) -> list[tuple[torch.Tensor, list[int]]]:
+    """The library run: one KVCache fed the first prompt, its answer but the last token, the next turn's new tokens
+    (in the engine's prefill chunks), its answer, ... Each turn's prompt is the last one, its answer and an extension.
+    Returns each turn's (first token's logits, greedy answer)."""
+    cache, prompt, seen, turns = h2o_kv.KVCache(policy, prompt_len=len(first)), first, [], []
+    for extension in [None, *extensions]:
+        if extension is not None:
+            prompt = prompt + turns[-1][1] + extension
+        with torch.no_grad():
+            logits = prefill(model, cache, torch.tensor([prompt[len(seen) :]]), chunk=CHUNK, start=len(seen))
+            head, answer = logits[0], [int(logits.argmax(-1))]
+            while len(answer) < ANSWER:
+                step = torch.tensor([len(prompt) + len(answer) - 1])
+                answer.append(int(decode_step(model, cache, torch.tensor([answer[-1]]), step).argmax(-1)))
+        seen = prompt + answer[:-1]
+        turns.append((head, answer))
+    return turns
+
+
+def test_full_reuse_gives_a_fresh_prefills_logits():
+    reusing, fresh = engine(), engine(None)
+    logits, fresh_logits = first_logits(reusing), first_logits(fresh)
+    first = ask(reusing, ids(40, seed=1), policy="full")
+    prompt = first.prompt_ids + first.token_ids + ids(20, seed=2)
+    second = ask(reusing, prompt, policy="full")
+    assert second.reused_tokens == 40 + ANSWER - 1
+    assert len(logits) == 3 + 2  # 40 tokens in 3 chunks; then only the 25 new ones, in 2
+    baseline = ask(fresh, prompt, policy="full")
+    torch.testing.assert_close(logits[-1], fresh_logits[-1], atol=1e-5, rtol=1e-4)
+    assert second.token_ids == baseline.token_ids and baseline.reused_tokens == 0
+    stats = reusing.stats()
+    assert stats["prefix_hits"] == 1 and stats["prefix_tokens_reused"] == 45 and stats["prefix_entries"] == 2
+
+
+@pytest.mark.parametrize("policy", [h2o_kv.H2O(budget=12), h2o_kv.H2O(budget=0.3), h2o_kv.SnapKV(budget=10)],
+                         ids=["h2o-12", "h2o-0.3", "snapkv-10"])  # fmt: skip
+def test_evicted_reuse_equals_one_cache_fed_the_same_calls(policy):
+    run = engine()
+    logits = first_logits(run)
+    first, extensions = ids(40, seed=3), [ids(10, seed=4), ids(21, seed=5)]
+    expected = one_cache(run.model, policy, first, extensions)
+    prompt, answer, reused = first, [], []
+    for turn, extension in enumerate([None, *extensions]):
+        prompt = prompt + answer + (extension or [])
+        request = ask(run, prompt, policy=policy)
+        answer = request.token_ids
+        assert request.token_ids == expected[turn][1]
+        assert torch.equal(logits[-1][0], expected[turn][0])
+        reused.append(request.reused_tokens)
+    assert reused == [0, 40 + ANSWER - 1, 40 + ANSWER + 10 + ANSWER - 1]
+
+
+def test_a_shared_prefix_serves_many_requests_at_once():
+    """Three prompts extending one kept document decode together; each answers as its own one-cache run, and so does
+    a third turn reusing the cache of a row that finished in that batch."""
+    run, policy = engine(), h2o_kv.H2O(budget=12)
+    document = ask(run, ids(40, seed=6), policy=policy)
+    extensions = [ids(5 + 4 * i, seed=10 + i) for i in range(3)]
+    requests = [
+        run.submit(document.prompt_ids + document.token_ids + e, max_tokens=ANSWER, ignore_eos=True, policy=policy)
+        for e in extensions
+    ]
+    run.run()
+    expected = [one_cache(run.model, policy, document.prompt_ids, [e]) for e in extensions]
+    assert [r.token_ids for r in requests] == [e[1][1] for e in expected]
+    assert [r.reused_tokens for r in requests] == [40 + ANSWER - 1] * 3
+    later = ids(7, seed=20)
+    third = ask(run, requests[1].prompt_ids + requests[1].token_ids + later, policy=policy)
+    assert third.reused_tokens == requests[1].prompt_tokens + ANSWER - 1
+    assert third.token_ids == one_cache(run.model, policy, document.prompt_ids, [extensions[1], later])[2][1]
+    assert run.stats()["prefix_hits"] == 4
+
+
+def test_least_recently_used_go_first_and_the_budget_is_never_exceeded():
+    policy = h2o_kv.H2O(budget=12)
+    probe = engine()
+    ask(probe, ids(30, seed=1), policy=policy)
+    one = probe.stats()["prefix_bytes_held"]  # every kept cache here holds its 12 slots (+1): the same bytes
+    run, fresh = engine(one * 5 // 2), engine(None)  # two kept caches fit, three do not
+
+    def steps(prompt):
+        request = run.submit(prompt, max_tokens=ANSWER, ignore_eos=True, policy=policy)
+        while run.step():
+            assert run.stats()["prefix_bytes_held"] <= one * 5 // 2
+        return request
+
+    a, b = steps(ids(30, seed=1)), steps(ids(30, seed=2))
+    assert run.stats()["prefix_entries"] == 2
+    a2 = steps(a.prompt_ids + a.token_ids + ids(5, seed=3))  # uses a, then keeps a2: b, the least recent, goes
+    a3 = steps(a.prompt_ids + a.token_ids + ids(9, seed=5))  # a is still there
+    assert a2.reused_tokens == a3.reused_tokens == 30 + ANSWER - 1
+    dropped = b.prompt_ids + b.token_ids + ids(5, seed=4)
+    b2 = steps(dropped)
+    assert b2.reused_tokens == 0
+    assert b2.token_ids == ask(fresh, dropped, policy=policy).token_ids  # a dropped prefix answers as a fresh run
+    stats = run.stats()
+    assert stats["prefix_dropped"] >= 2 and 0 < stats["prefix_bytes_peak"] <= one * 5 // 2
+
+
+def test_kept_caches_make_room_for_running_requests_within_kv_memory():
+    policy, big = h2o_kv.Full(), ids(120, seed=7)
+    limit = 2 * engine().kv_bytes_for(len(big), ANSWER, policy)  # the big prompt going in plus its batch row
+    run = engine(kv_memory=limit)
+    small = ask(run, ids(60, seed=8), policy=policy)
+    assert run.stats()["prefix_entries"] == 1
+    request = run.submit(big, max_tokens=ANSWER, ignore_eos=True, policy=policy)
+    run.step()  # admitted at once: the kept cache is dropped for it, not the request kept waiting
+    stats = run.stats()
+    assert stats["waiting"] == 0 and stats["running"] == 1
+    assert stats["prefix_entries"] == 0 and stats["prefix_dropped"] == 1
+    assert stats["prefix_bytes_held"] + run._runs.projected() <= limit
+    run.run()
+    assert request.result().completion_tokens == ANSWER and small.reused_tokens == 0
+
+
+def test_without_session_memory_nothing_is_kept():
+    for run in (engine(None), engine(0)):
+        assert run.prefixes is None and run.session_memory is None
+        first = ask(run, ids(30, seed=1), policy="h2o", budget=12)
+        second = ask(run, first.prompt_ids + first.token_ids + ids(5, seed=2), policy="h2o", budget=12)
+        stats = run.stats()
+        assert second.reused_tokens == 0 and stats["prefix_hits"] == stats["prefix_bytes_held"] == 0
+        assert run.kv_bytes_in_use() == 0
+    with pytest.raises(ValueError, match="session_memory"):
+        engine(-1)
+
+
+def test_reuse_needs_the_same_policy_and_a_proper_prefix():
+    run = engine()
+    first = ask(run, ids(30, seed=1), policy="h2o", budget=12)
+    seen = first.prompt_ids + first.token_ids[:-1]
+    assert ask(run, seen + [5], policy="h2o", budget=16).reused_tokens == 0  # another policy: its own cache
+    assert ask(run, seen, policy="h2o", budget=12).reused_tokens == 0  # nothing new to prefill
+    assert ask(run, seen + [5], policy="h2o", budget=12).reused_tokens == len(seen)
+
+
+def test_a_store_keeps_nothing_larger_than_its_budget():
+    run = engine(100)
+    ask(run, ids(30, seed=1), policy="full")
+    assert run.stats()["prefix_entries"] == 0 and run.stats()["prefix_bytes_held"] == 0
+    with pytest.raises(ValueError, match="budget"):
+        PrefixStore(0)
+
+
+def test_the_server_reuses_a_conversation_and_counts_it():
+    pytest.importorskip("fastapi")
+    pytest.importorskip("openai")
+    from serve_helpers import MODEL, client, metric, running_server
+
+    text = "Once upon a time, in a land far away, there lived a"
+    with running_server(make_model("llama"), make_tokenizer(), policy="full", prefill_chunk=CHUNK,
+                        session_memory=2**24) as (engine, url):  # fmt: skip
+        api = client(url)
+        first = api.completions.create(model=MODEL, prompt=text, max_tokens=ANSWER, temperature=0)
+        assert metric(url, "h2o_kv_prefix_entries") == 1 and metric(url, "h2o_kv_prefix_hits_total") == 0
+        held = metric(url, "h2o_kv_prefix_bytes_held")
+        assert 0 < held <= 2**24
+        # the next turn resends the conversation: the kept cache had seen all of it but the answer's last token
+        api.completions.create(model=MODEL, prompt=text + first.choices[0].text + " who", max_tokens=2, temperature=0)
+        assert metric(url, "h2o_kv_prefix_hits_total") == 1
+        assert metric(url, "h2o_kv_prefix_tokens_reused_total") == len(text) + first.usage.completion_tokens - 1
+        assert metric(url, "h2o_kv_prefix_bytes_held") > held and engine.stats()["prefix_entries"] == 2
+
+
+def test_the_serve_flag_is_a_size_and_off_by_default():
+    from h2o_kv.cli import build_parser
+    from h2o_kv.runtime.serve.main import engine_settings
+
+    parse = build_parser().parse_args
+    assert engine_settings(parse(["serve", "--session-memory", "256MiB"]))["session_memory"] == 256 * 2**20
+    assert engine_settings(parse(["serve"]))["session_memory"] is None
+    assert engine_settings(parse(["serve", "--session-memory", "0"]))["session_memory"] is None
+    with pytest.raises(ValueError, match="--session-memory 'lots' is not a size"):
+        engine_settings(parse(["serve", "--session-memory", "lots"]))

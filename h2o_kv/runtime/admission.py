@@ -70,11 +70,16 @@ def admission_bytes(count: SlotCount, policy: Policy, prompt_len: int, max_token
             prompt_tokens=prompt_len, max_tokens=max_tokens, context=context,
         )  # fmt: skip
     kv_bytes = count.bytes(policy, prompt_len, max_tokens)
-    if kv_memory is not None and kv_bytes > kv_memory:
+    # what admitting it projects with nothing else running (`Scheduler.projected`): its row while decoding and its
+    # prompt going in; more than `kv_memory` and it would wait for ever
+    decode, prompt = count.slots(policy, prompt_len, max_tokens)
+    alone = (decode + prompt) * count.layout
+    if kv_memory is not None and alone > kv_memory:
         raise KVMemoryExceeded(
-            f"this request needs {kv_bytes} bytes of KV cache under {policy.describe()}, more than the "
-            f"{kv_memory} allowed: shorten the prompt or max_tokens, or lower the budget",
-            needed=kv_bytes, allowed=kv_memory,
+            f"this request needs {alone} bytes of KV cache under {policy.describe()} (its prompt going in, then its "
+            f"rows decoding), more than the {kv_memory} allowed: shorten the prompt or max_tokens, or lower the "
+            "budget",
+            needed=alone, allowed=kv_memory,
         )  # fmt: skip
     return kv_bytes
 

@@ -251,3 +251,20 @@ def test_a_request_whose_sampling_fails_ends_with_its_error_and_the_engine_goes_
     engine.run()
     assert after.result().token_ids == alone.result().token_ids
     assert engine.kv_bytes_in_use() == 0
+
+
+def test_a_request_admission_could_never_take_is_refused_at_submit_not_left_waiting():
+    """Admission projects a prompt going in beside its rows; a request whose projection alone is over kv_memory
+    would wait for ever, so submit refuses it, and one whose projection fits exactly runs."""
+    from h2o_kv.errors import KVMemoryExceeded
+
+    model, tokenizer = make_model("llama"), make_tokenizer()
+    decode_only = Engine(model, tokenizer).kv_bytes_for(120, 6, h2o_kv.Full())
+    engine = Engine(model, tokenizer, kv_memory=decode_only)
+    with pytest.raises(KVMemoryExceeded, match="its prompt going in, then its rows decoding") as refused:
+        engine.submit(prompt(120, seed=1), max_tokens=6, policy="full")
+    assert engine.stats()["waiting"] == 0
+    fits = Engine(model, tokenizer, kv_memory=refused.value.needed)
+    request = fits.submit(prompt(120, seed=1), max_tokens=6, policy="full", ignore_eos=True)
+    fits.run()
+    assert request.result().completion_tokens == 6

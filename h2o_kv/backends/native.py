@@ -205,7 +205,7 @@ def attend_one(
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`kernel.attend_one` in one pass per (sequence, KV head): q [B, Hq, 1, D] float32, keys/values
+    """`attend.attend_one` in one pass per (sequence, KV head): q [B, Hq, 1, D] float32, keys/values
     [B, H, S, D] float32 or bfloat16, or int8 with their scales [B, H, S] (quant.py), pos [B, H, S] (-1 = empty slot;
     None: every slot holds a token, nothing masked); the output [B, 1, Hq, D] float32, scores and last [B, H, S]."""
 
@@ -276,9 +276,9 @@ def prompt_attend(
     score_from: int,
     want_last: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """`kernel.attend` for new tokens in order in slots new_from .. new_from + n - 1, without window or softcap:
-    q [B, Hq, n, D], keys/values [B, H, S, D] float32, pos [B, H, S] (an old slot with pos < 0 is empty), qpos
-    [B, n] (read with `has_padding`: query i sees the slots at positions 0 .. qpos[i], none at -1).
+    """`routes.attend`'s `native_prompt` route: new tokens in order in slots new_from .. new_from + n - 1, without
+    window or softcap: q [B, Hq, n, D], keys/values [B, H, S, D] float32, pos [B, H, S] (an old slot with pos < 0 is
+    empty), qpos [B, n] (read with `has_padding`: query i sees the slots at positions 0 .. qpos[i], none at -1).
     Returns the output [B, n, Hq, D], the probabilities of the queries from `score_from` on summed per slot over
     queries and the group's heads [B, H, S], and the last query's averaged over the group (None where not asked)."""
     load()
@@ -298,7 +298,7 @@ def pooled_attend_one(
     scaling: float,
     softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`kernel.attend_one` over a head-pooled row: q [B, Hq, 1, D] float32 (query head i reads KV head
+    """`attend.attend_one` over a head-pooled row: q [B, Hq, 1, D] float32 (query head i reads KV head
     i // (Hq / heads)), keys/values [B, 1, S, D] float32, slot_head [B, 1, S] int8, pos [B, 1, S]; the output
     [B, 1, Hq, D], scores [B, 1, S] (summed over each slot's own query heads) and last (their mean)."""
 

@@ -19,6 +19,8 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from h2o_kv.model_config import text_config
+
 IMPLEMENTATION = "h2o_kv"
 
 _pending = threading.local()
@@ -117,8 +119,7 @@ def enable(model: PreTrainedModel) -> PreTrainedModel:
             f"{name} does not route attention through transformers' AttentionInterface, "
             "so h2o-kv cannot gather attention scores for it"
         )
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layer_types = set(getattr(text_config, "layer_types", None) or ["full_attention"])
+    layer_types = set(getattr(text_config(config), "layer_types", None) or ["full_attention"])
     unsupported = layer_types - {"full_attention", "sliding_attention"}
     if unsupported:
         raise ValueError(

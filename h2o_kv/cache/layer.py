@@ -4,7 +4,7 @@ Each layer stores keys and values in slots, [batch, kv_heads, slots, head_dim], 
 absolute position (-1 = empty) and accumulated score. A forward call with n new tokens:
   1. `update` (called by the model through the cache) hands the new keys/values to the layer;
   2. the h2o-kv attention function calls `forward_attention`, which writes the new tokens into
-     free slots, attends over the slots with the queries (`attend.attend`), adds the attention to
+     free slots, attends over the slots with the queries (`routes.attend`), adds the attention to
      the scores, and evicts down to the policy's capacity by freeing slots (docs/eviction.md).
 In "drop" mode freed slots are reused, so once full the storage stays `capacity + 1` slots
 (the extra slot takes the incoming token while decoding). In "mask" mode (the paper's accuracy
@@ -19,8 +19,9 @@ import warnings
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from h2o_kv.cache.attend import attend, compute_dtype, native_rows
+from h2o_kv.cache.attend import compute_dtype
 from h2o_kv.cache.quant import quantize
+from h2o_kv.cache.routes import Call, Slots, attend, uses_native, widens
 from h2o_kv.cache.rows import GROWTH, Rows
 from h2o_kv.cache.settings import Mode, PaddingMemo, Settings
 from h2o_kv.cache.steady import Steady
@@ -36,6 +37,7 @@ class KVLayer(Rows, Steady, CacheLayerMixin):
     is_croppable = False
     spare = 1  # slots one decode step adds before it evicts (the incoming token's)
     head = None  # [B, 1, S] KV head of each slot in a head-pooled layer (pooled.py); None here
+    query_head = None  # [heads, group]: each query head's KV head in a head-pooled layer; None here
     # the empty slots the last decode step left, [B, H, spare]: the next step writes there. Any batch change,
     # growth or compaction of the storage forgets them (`Rows._storage_changed`)
     vacant: torch.Tensor | None = None
@@ -153,6 +155,8 @@ class KVLayer(Rows, Steady, CacheLayerMixin):
             first_pos = self.next_pos.view(batch)
             self.next_pos = self.next_pos + real.sum(1).view(batch, 1, 1)
         self.seen += n
+        if self.layer_idx == 0:
+            self.settings.check_context(self.seen, self.next_pos, config)
         if self.prompt_len is None:
             policy = self.settings.policy
             self.policy = policy if config is None else policy.for_layer(self.layer_idx, config)
@@ -168,18 +172,10 @@ class KVLayer(Rows, Steady, CacheLayerMixin):
             chunk_pos = qpos[:, start:stop]
             observed = policy.score_window if stop - start > 1 else None
             new_from = self._insert(new_keys[:, :, start:stop], new_values[:, :, start:stop], chunk_pos)
-            out, scores, last = self._attend(
-                query[:, :, start:stop],
-                chunk_pos,
-                scaling=scaling,
-                window=window,
-                softcap=softcap,
-                has_padding=has_padding,
-                new_from=new_from,
-                want_scores=policy.needs_scores,
-                want_last=policy.needs_last,
-                score_from=0 if observed is None else max(0, stop - start - observed),
-            )
+            score_from = 0 if observed is None else max(0, stop - start - observed)
+            call = Call(scaling, window, softcap, has_padding, new_from, want_scores=policy.needs_scores,
+                        want_last=policy.needs_last, score_from=score_from)  # fmt: skip
+            out, scores, last = self._attend(query[:, :, start:stop], chunk_pos, call)
             if scores is not None:
                 self._add_scores(scores, stop - start, observed=observed is not None, new_from=new_from)
             if last is not None:
@@ -357,22 +353,17 @@ class KVLayer(Rows, Steady, CacheLayerMixin):
         """Used slots per row of the storage, [B, H] (a head-pooled layer has one row per sequence)."""
         return (self.pos >= 0).sum(-1)
 
-    def _attend(self, query: torch.Tensor, positions: torch.Tensor, full: bool = False, **options):
-        """`attend.attend` of a call's queries over this layer's slots (a head-pooled layer masks by head;
+    def _attend(self, query: torch.Tensor, positions: torch.Tensor, call: Call, full: bool = False):
+        """`routes.attend` of a call's queries over this layer's slots (a head-pooled layer masks by head;
         `full`: every slot holds a token, nothing to mask)."""
         work = None  # decoding from int8 (or bfloat16 on a CPU): widened into the cache's buffer, not a fresh tensor
-        dtype = compute_dtype(query.dtype, query.device)
-        native = self._kernels(query.device)
-        reads_storage = native and self.head is None and native_rows(self.keys, dtype)  # no float copy to make
-        if query.shape[2] == 1 and not reads_storage and (self.key_scale is not None or dtype != self.keys.dtype):
+        native = uses_native(self.settings, query.device)
+        if widens(query, self.keys, self.key_scale is not None, native and self.head is None):
+            dtype = compute_dtype(query.dtype, query.device)
             work = self.settings.work(self.keys.numel() + self.values.numel(), dtype, query.device)
-        return attend(query, self.keys, self.values, None if full else self.pos, positions, key_scale=self.key_scale,
-                      value_scale=self.value_scale, work=work, native_kernels=native, **options)  # fmt: skip
-
-    def _kernels(self, device: torch.device) -> bool:
-        """Whether this layer's work on `device` runs h2o-kv's C++ kernels (native.py): CPU steps, when enabled,
-        outside torch.compile (which traces the torch path instead)."""
-        return self.settings.compile_kernel and device.type == "cpu" and not torch.compiler.is_compiling()
+        kv = Slots(self.keys, self.values, None if full else self.pos, self.key_scale, self.value_scale, self.head,
+                   self.query_head, work)  # fmt: skip
+        return attend(query, kv, positions, call, native_kernels=native)
 
     def nbytes(self) -> int:
         """Bytes allocated: every slot of the storage, empty or not, and its bookkeeping."""

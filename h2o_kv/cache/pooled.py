@@ -7,7 +7,7 @@ single "virtual" KV head, [batch, 1, heads x (capacity + 1)], and tags each slot
 (`head`, int8). Everything else is `KVLayer`'s:
 
 - a call's n new tokens become n x heads slots (token-major), each with its token's position;
-- every query head attends over the whole row with the other heads' slots masked (`attend.attend`'s
+- every query head attends over the whole row with the other heads' slots masked (`attend.Slots`'s
   `slot_head`), so the scores summed over the row's "group" (all query heads) are exactly what each
   slot's own query heads paid;
 - eviction ranks the row: the lowest-priority `excess` slots go, whichever head holds them, which is
@@ -26,11 +26,14 @@ count or empty-slot search is needed.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from h2o_kv.backends import native
-from h2o_kv.cache.attend import attend
+from h2o_kv.cache.attend import Call, Slots
 from h2o_kv.cache.layer import KVLayer
+from h2o_kv.cache.routes import attend, native_lowest, steady_route
 from h2o_kv.policies import SlotState
 
 POS_SPAN = 1 << 40  # a position is below this (MAX_TOKENS), so head * POS_SPAN + pos orders by (head, pos)
@@ -67,12 +70,12 @@ class PooledKVLayer(KVLayer):
         go where the last step's eviction left `heads` empty slots in every row, each tagged with its head;
         the query heads attend over the row, and every row frees `heads` slots again (`_evict_row`); on a CPU
         with a policy ranking by score with the newest kept, all of it in one C++ call (`native.pooled_decode_step`)."""
-        slots, _ = self._take_vacant()
+        slots, buffered = self._take_vacant()
         batch, heads, _, dim = keys.shape
         next_pos = self.next_pos.view(-1, 1, 1)
         keys, values = keys.reshape(batch, 1, heads, dim), values.reshape(batch, 1, heads, values.shape[-1])
-        recent = self._ranked_in_kernel(query.dtype, query.device)
-        if recent is not None:  # the same operations in one C++ call
+        backend, recent = steady_route(self, query, buffered, softcap)  # "native" or "eager": no Triton step here
+        if backend == "native":  # the same operations in one C++ call
             out, freed, tied = native.pooled_decode_step(
                 query, self.keys, self.values, self.head, self.pos, self.score, self.last, slots, keys, values, qpos,
                 recent, scaling=scaling, softcap=softcap,
@@ -88,10 +91,6 @@ class PooledKVLayer(KVLayer):
                 return out
         KVLayer._evict(self, next_pos, None, 1)  # a tie at the boundary (nothing freed): the exact (sorted) order
         return out
-
-    def _step_storage(self, dtype: torch.dtype, device: torch.device) -> bool:
-        """`native.pooled_decode_step` reads float32 rows with float32 queries (as `native.pooled_attend_one`)."""
-        return self.keys.dtype == dtype == torch.float32
 
     def _insert(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> int | None:
         """n new tokens [B, heads, n, D] take n x heads slots; returns the first one (None while decoding)."""
@@ -126,16 +125,14 @@ class PooledKVLayer(KVLayer):
                 self.decode_tags = tags
         return tags
 
-    def _attend(self, query: torch.Tensor, positions: torch.Tensor, *, new_from: int | None = None, full: bool = False,
-                **options):  # fmt: skip
+    def _attend(self, query: torch.Tensor, positions: torch.Tensor, call: Call, full: bool = False):
         # `full` (every slot holds a token) changes nothing here: the row's slots are masked by head anyway
-        if new_from == 0:  # the row holds just this call's tokens, token-major: attend per head, in order
-            return self._attend_first(query, positions, **options)
-        # later calls: a token is `heads` slots, so the kernel's in-order causal shortcut (new_from) does not apply
-        return super()._attend(query, positions, new_from=None, slot_head=self.head, query_head=self.query_head,
-                               **options)  # fmt: skip
+        if call.new_from == 0:  # the row holds just this call's tokens, token-major: attend per head, in order
+            return self._attend_first(query, positions, call)
+        # later calls: a token is `heads` slots, so the in-order causal shortcut (new_from) does not apply
+        return super()._attend(query, positions, replace(call, new_from=None))
 
-    def _attend_first(self, query: torch.Tensor, positions: torch.Tensor, **options):
+    def _attend_first(self, query: torch.Tensor, positions: torch.Tensor, call: Call):
         """A first call (a prompt) as `KVLayer` attends: [B, heads, n] views of the row, the causal
         triangle skipped; the per-slot scores come back in the row's order."""
         batch, heads, n = query.shape[0], self.kv_heads, query.shape[2]
@@ -143,9 +140,9 @@ class PooledKVLayer(KVLayer):
         def by_head(t: torch.Tensor | None) -> torch.Tensor | None:  # [B, 1, n*heads, ...] -> [B, heads, n, ...]
             return None if t is None else t[:, 0, : n * heads].unflatten(1, (n, heads)).transpose(1, 2)
 
-        out, scores, last = attend(query, by_head(self.keys), by_head(self.values), by_head(self.pos), positions,
-                                   key_scale=by_head(self.key_scale), value_scale=by_head(self.value_scale),
-                                   new_from=0, **options)  # fmt: skip
+        kv = Slots(by_head(self.keys), by_head(self.values), by_head(self.pos), by_head(self.key_scale),
+                   by_head(self.value_scale))  # fmt: skip
+        out, scores, last = attend(query, kv, positions, call)
 
         def by_row(t: torch.Tensor | None) -> torch.Tensor | None:  # [B, heads, n] -> [B, 1, S] (empty slots: 0)
             if t is None:
@@ -207,7 +204,7 @@ class PooledKVLayer(KVLayer):
         priority = self.policy.priority(state)
         if valid is not None:
             priority = torch.where(valid, priority, float("inf"))
-        if self._kernels(priority.device) and priority.dtype == torch.float32:
+        if native_lowest(self.settings, priority):
             slots, tied = native.lowest_slots(priority, self.spare)  # one pass for the four ops below
         else:
             lowest = torch.topk(priority, self.spare + 1, dim=-1, largest=False)

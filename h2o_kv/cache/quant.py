@@ -11,7 +11,7 @@ registers as it reads each (sequence, KV head) row, so the step reads the 4x few
 float copy. On a GPU the Triton decode kernel reads int8 the same way (backends/triton_decode.py). Where the
 C++ kernel cannot be built, or with
 `KVCache(..., compile_kernel=False)`, the eager path widens one layer's int8 keys and values to float at
-a time into a buffer the cache's layers share (`Settings.work`, `kernel.widen`); a prompt takes the eager
+a time into a buffer the cache's layers share (`Settings.work`, `attend.widen`); a prompt takes the eager
 path too.
 """
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
+from h2o_kv.model_config import text_config
 from h2o_kv.policies import Policy
 
 Mode = Literal["drop", "mask"]
@@ -49,6 +51,24 @@ class Settings:
             self.padding = PaddingMemo()
         self.sized_by_prompt = self.policy.fraction_of_prompt()
         self.warned = False  # a budget that keeps very few tokens is warned about once per cache (layer.py)
+        self.past_context = False  # a sequence went past the model's context: warned once per cache
+
+    def check_context(self, seen: int, next_pos: torch.Tensor, config) -> None:
+        """Warn, once per cache, when a sequence's positions go past the model's context (`max_position_embeddings`
+        of `config`): a bounded cache bounds memory, not positions, and a model read at positions it was never
+        trained on degrades whatever is kept. `seen` (columns, padding included) bounds the positions without a
+        sync; the positions themselves are read only past that bound, and never inside a captured step."""
+        context = getattr(text_config(config), "max_position_embeddings", None) if config is not None else None
+        if self.past_context or not context or seen <= context or capturing():
+            return
+        last = int(next_pos.max())
+        if last > context:
+            self.past_context = True
+            warnings.warn(
+                f"this KVCache's sequence reached position {last}, past the model's context of {context} tokens: "
+                "the model was not trained there and its output degrades whatever the cache keeps",
+                stacklevel=4,
+            )
 
     @property
     def compileable(self) -> bool:
@@ -59,7 +79,7 @@ class Settings:
     def work(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A flat buffer of at least `numel` elements, shared by the cache's layers (they run one after
         another) and kept between steps: where int8 storage (or bfloat16 on a CPU) is widened for a decode
-        step's float products (kernel.widen). It is working memory, like the attention logits, so
+        step's float products (attend.widen). It is working memory, like the attention logits, so
         `nbytes()` does not count it; it is one layer's keys and values in float."""
         work = self._work
         if work is None or work.numel() < numel or work.dtype != dtype or work.device != device:

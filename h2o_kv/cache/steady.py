@@ -8,17 +8,18 @@ priority is its score with the newest tokens kept (`Policy.protected_recent`: H2
 is one C++ pass per row (`native.decode_step`): the same operations in the same order, without a kernel
 launch, a temporary tensor or a Python call per operation. Where the Triton kernels run (a GPU) and every slot
 holds a token, the same policies' step is `triton_decode.decode_evict`: the new token's write, attention, scores
-and each row's eviction in three launches. `pooled.PooledKVLayer` has its own
-`_decode_full` for a head-pooled row and shares `_attend_steady` and `_ranked_in_kernel`.
+and each row's eviction in three launches. Which of the three runs is `routes.steady_route`'s choice.
+`pooled.PooledKVLayer` has its own `_decode_full` for a head-pooled row and shares `_attend_steady`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from h2o_kv.backends import native, use_triton
-from h2o_kv.cache.attend import compute_dtype, native_rows
+from h2o_kv.backends import native
+from h2o_kv.cache.attend import compute_dtype
 from h2o_kv.cache.quant import quantize
+from h2o_kv.cache.routes import Call, steady_route
 from h2o_kv.cache.settings import capturing
 from h2o_kv.policies import SlotState
 
@@ -27,8 +28,8 @@ STEADY_FIELDS = ("keys", "values", "pos", "score", "last", "key_scale", "value_s
 
 
 class Steady:
-    """The steady decode step of a `KVLayer` (which provides the fields, `_write`, `_attend`, `_add_scores`,
-    `slot_state` and `_kernels`)."""
+    """The steady decode step of a `KVLayer` (which provides the fields, `_write`, `_attend`, `_add_scores` and
+    `slot_state`)."""
 
     def _full(self) -> bool:
         """A drop-mode layer whose last decode step left each head one empty slot (`_evict_one`)."""
@@ -57,14 +58,13 @@ class Steady:
         over its slots and then frees one again."""
         slots, buffered = self._take_vacant()
         batch, heads = slots.shape[:2]
-        recent = self._ranked_in_kernel(query.dtype, query.device)
-        if recent is not None:  # the same operations in one C++ pass per (sequence, KV head)
+        backend, recent = steady_route(self, query, buffered, softcap)
+        if backend == "native":  # the same operations in one C++ pass per (sequence, KV head)
             return self._decode_fused(query, keys, values, qpos, slots, recent, scaling=scaling, softcap=softcap)
-        recent = self._ranked_in_triton(query, buffered, softcap)
-        fused_write = recent is not None and self.key_scale is None  # float storage: the Triton kernel writes
+        fused_write = backend == "triton" and self.key_scale is None  # float storage: the Triton kernel writes
         if not fused_write:
             self._write(slots, keys, values, qpos.view(batch, 1, 1).expand(batch, heads, 1), zeroed=True)
-        if recent is not None:  # (write,) attend, score and evict in three Triton launches
+        if backend == "triton":  # (write,) attend, score and evict in three Triton launches
             return self._decode_triton(query, recent, (keys, values, qpos) if fused_write else None, scaling=scaling)
         out, valid = self._attend_steady(query, qpos, scaling=scaling, softcap=softcap)
         self._evict_one(valid, self.slot_state(self.next_pos))
@@ -98,30 +98,6 @@ class Steady:
         self.end_steady(freed)
         return out.to(query.dtype)
 
-    def _ranked_in_kernel(self, dtype: torch.dtype, device: torch.device):
-        """The policy's `protected_recent` when this steady decode step (queries of `dtype` on `device`) runs as one
-        C++ pass (`native.decode_step`): C++ kernels on this device that read this storage (float32, bfloat16 or
-        int8), and a policy ranking by the undecayed score with the newest tokens kept (H2O, SnapKV); None
-        otherwise (the eager operations)."""
-        if not self._kernels(device) or self.policy.decay != 1.0 or not self._step_storage(dtype, device):
-            return None
-        return self.policy.protected_recent(self.slot_state(self.next_pos))
-
-    def _ranked_in_triton(self, query: torch.Tensor, buffered: bool, softcap: float | None):
-        """The policy's `protected_recent` when this steady step runs as `triton_decode.decode_evict`: the Triton
-        kernels on this device, every slot holding a token (`packed`), the new token's slots being the layer's
-        vacant buffer (`buffered`), and a policy ranking by the undecayed score with the newest tokens kept and no
-        `last` (H2O, SnapKV); None otherwise."""
-        if softcap is not None or not self.packed or not buffered:
-            return None
-        if self.last is not None or self.policy.decay != 1.0 or not use_triton(query.device):
-            return None
-        from h2o_kv.backends import triton_decode  # Triton is not a dependency of the core
-
-        if not triton_decode.supported(query, self.keys, self.values):
-            return None
-        return self.policy.protected_recent(self.slot_state(self.next_pos))
-
     def _decode_triton(self, query: torch.Tensor, recent: torch.Tensor, new: tuple | None, *, scaling: float):
         """Attend, add the scores and free each row's victim into the vacant buffer (`triton_decode.decode_evict`),
         writing first the `new` token (keys, values, positions) into the buffer's slots where given."""
@@ -134,11 +110,6 @@ class Steady:
                                          value_scale=self.value_scale, **written)  # fmt: skip
         self._leave_vacant(self.vacant_buffer, buffered=True)
         return out.to(query.dtype)
-
-    def _step_storage(self, dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether `native.decode_step` reads this layer's storage for queries of `dtype` (`attend.native_rows`:
-        float32 products over float32 storage, bfloat16 or int8); pooled.py's own step reads float32 rows only."""
-        return native_rows(self.keys, compute_dtype(dtype, device))
 
     def _take_vacant(self) -> tuple[torch.Tensor, bool]:
         """The slots [B, H, spare] the last step's eviction left, where a steady step writes its new token, and
@@ -162,8 +133,8 @@ class Steady:
         the output and which slots hold a token, None once every one does (`packed`: all rows at one capacity,
         all reached; each step then evicts what it adds, so it stays so)."""
         policy, packed = self.policy, self.packed
-        out, scores, last = self._attend(query, qpos, scaling=scaling, softcap=softcap, full=packed,
-                                         want_scores=policy.needs_scores, want_last=policy.needs_last)  # fmt: skip
+        call = Call(scaling, softcap=softcap, want_scores=policy.needs_scores, want_last=policy.needs_last)
+        out, scores, last = self._attend(query, qpos, call, full=packed)
         if scores is not None:
             self._add_scores(scores, 1, observed=False, new_from=None)
         if last is not None:

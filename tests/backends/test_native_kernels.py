@@ -10,6 +10,7 @@ import torch
 
 import h2o_kv
 from h2o_kv.cache import attend as kernel
+from h2o_kv.cache.routes import Call, Slots, attend
 
 from helpers import slots
 
@@ -258,11 +259,12 @@ def test_native_prompt_kernel_equals_the_blocked_path(batch, q_heads, kv_heads, 
     elif holes:  # old slots left empty (a chunk after evictions)
         pos[0, 0, 1] = pos[-1, -1, new_from - 1] = -1
     q = torch.randn(batch, q_heads, n, dim, generator=torch.Generator().manual_seed(2))
-    options = dict(scaling=dim**-0.5, want_scores=want != "output", want_last=want == "window+last",
-                   score_from=n // 2 if want == "window+last" else 0, has_padding=holes == "padded")  # fmt: skip
-    blocked = kernel.attend(q, keys, values, pos, qpos, new_from=new_from, native_kernels=False, **options)
+    call = Call(scaling=dim**-0.5, want_scores=want != "output", want_last=want == "window+last",
+                score_from=n // 2 if want == "window+last" else 0, has_padding=holes == "padded",
+                new_from=new_from)  # fmt: skip
+    blocked = attend(q, Slots(keys, values, pos), qpos, call, native_kernels=False)
     with mock.patch.object(native, "prompt_attend", wraps=native.prompt_attend) as native_path:
-        got = kernel.attend(q, keys, values, pos, qpos, new_from=new_from, native_kernels=True, **options)
+        got = attend(q, Slots(keys, values, pos), qpos, call, native_kernels=True)
     takes_sdpa = want != "scores" and not holes  # no query before score_from scores: attend_prompt (SDPA)
     assert native_path.call_count == (1 if n > 1 and not takes_sdpa else 0)
     torch.testing.assert_close(got[0], blocked[0], atol=1e-5, rtol=1e-5)

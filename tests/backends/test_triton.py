@@ -13,8 +13,8 @@ import torch
 
 import h2o_kv
 from h2o_kv.backends import interpreted, triton_importable
-from h2o_kv.cache.attend import attend
 from h2o_kv.cache.quant import dequantize, quantize
+from h2o_kv.cache.routes import Call, Slots, attend
 from h2o_kv.runtime.generation import forward, prefill
 
 from conftest import make_model, random_ids
@@ -180,9 +180,9 @@ def test_attend_takes_the_triton_route_with_the_same_results(monkeypatch, n, new
     qpos = torch.arange(old, old + n).expand(2, n)
     if n == 1:
         pos[0, 0, 2] = -1
-    options = dict(scaling=0.25, new_from=new_from, want_scores=True, want_last=want_last)
+    call = Call(scaling=0.25, new_from=new_from, want_scores=True, want_last=want_last)
     monkeypatch.setenv("H2O_KV_TRITON", "0")
-    ref = attend(q, k, v, pos, qpos, **options)
+    ref = attend(q, Slots(k, v, pos), qpos, call)
     monkeypatch.setenv("H2O_KV_TRITON", "1")
     calls = []
     from h2o_kv.backends import triton_decode, triton_scores
@@ -190,7 +190,7 @@ def test_attend_takes_the_triton_route_with_the_same_results(monkeypatch, n, new
     for module, name in ((triton_decode, "decode_attend"), (triton_scores, "key_scores")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _real=real, **kw: calls.append(1) or _real(*a, **kw))
-    got = attend(q, k, v, pos, qpos, **options)
+    got = attend(q, Slots(k, v, pos), qpos, call)
     assert calls, "the Triton kernels were not used"
     for a, b in zip(got, ref):
         assert (a is None) == (b is None)
@@ -232,7 +232,7 @@ def test_steady_steps_on_the_triton_kernels_equal_the_torch_steps(monkeypatch, k
             for _ in range(6):
                 logits.append(forward(model, cache, token.view(-1, 1), positions=position.view(-1, 1)))
                 token, position = logits[-1].argmax(-1), position + 1
-        assert all(layer.packed is layer.pos for layer in cache.layers)  # the last steps were the steady ones
+        assert all(layer.packed for layer in cache.layers)  # the last steps were the steady ones
         runs.append((torch.stack(logits), [kept_positions(layer) for layer in cache.layers]))
     torch.testing.assert_close(runs[1][0], runs[0][0], atol=1e-4, rtol=1e-4)
     assert runs[1][1] == runs[0][1]
@@ -265,7 +265,7 @@ def test_compiled_decode_step_equals_eager(monkeypatch, triton, eager_steps):
     assert [kept_positions(layer) for layer in caches[1].layers] == [kept_positions(la) for la in caches[0].layers]
     assert caches[1].seen_tokens == caches[0].seen_tokens == 18 + eager_steps
     if eager_steps:
-        assert all(layer.packed is layer.pos for layer in caches[1].layers)
+        assert all(layer.packed for layer in caches[1].layers)
 
 
 def test_generate_compiles_the_decode_step_with_a_kvcache():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from unittest import mock
 
 import pytest
@@ -9,6 +10,8 @@ import torch
 
 import h2o_kv
 from h2o_kv.cache import attend as kernel
+from h2o_kv.cache import routes
+from h2o_kv.cache.routes import Call, Slots
 
 from helpers import POLICIES, kept_positions, random_qkv, run_layer, slots
 from reference import reference_layer
@@ -32,10 +35,10 @@ def test_prompt_path_equals_the_blocked_path(dtype, new_from, extra, window, wan
     q = torch.randn(batch, q_heads, n, dim, generator=torch.Generator().manual_seed(1)).to(dtype)
     qpos = torch.arange(new_from, new_from + n).expand(batch, n)
     options = dict(scaling=0.25, window=window, want_scores=want_scores, want_last=want_last, score_from=score_from)
-    with mock.patch.object(kernel, "attend_prompt", wraps=kernel.attend_prompt) as prompt_path:
-        fast = kernel.attend(q, keys, values, pos, qpos, new_from=new_from, **options)
+    with mock.patch.object(routes, "attend_prompt", wraps=routes.attend_prompt) as prompt_path:
+        fast = routes.attend(q, Slots(keys, values, pos), qpos, Call(new_from=new_from, **options))
     assert prompt_path.call_count == 1
-    blocked = kernel.attend(q, keys, values, pos, qpos, new_from=None, **options)  # the general masked path
+    blocked = routes.attend(q, Slots(keys, values, pos), qpos, Call(new_from=None, **options))  # the general path
     tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fast[0].float(), blocked[0].float(), **tol)
     for got, want in zip(fast[1:], blocked[1:]):
@@ -61,8 +64,8 @@ def test_prompt_path_is_not_taken_where_it_does_not_apply(case):
         pos[0, 0, 2] = -1
     q = torch.randn(1, 4, 30, 16)
     qpos = torch.arange(6, 36).view(1, 30)
-    with mock.patch.object(kernel, "attend_prompt", wraps=kernel.attend_prompt) as prompt_path:
-        kernel.attend(q, keys, values, pos, qpos, scaling=0.25, new_from=6, **case)
+    with mock.patch.object(routes, "attend_prompt", wraps=routes.attend_prompt) as prompt_path:
+        routes.attend(q, Slots(keys, values, pos), qpos, Call(scaling=0.25, new_from=6, **case))
     assert prompt_path.call_count == 0
 
 
@@ -72,17 +75,16 @@ def test_policies_without_prompt_scores_take_the_prompt_path_and_match_the_refer
     and the layer still matches the literal reference."""
     policy, capacity, params = POLICIES[name]
     q, k, v = random_qkv(seed=29)
-    with mock.patch.object(kernel, "attend_prompt", wraps=kernel.attend_prompt) as prompt_path:
+    with mock.patch.object(routes, "attend_prompt", wraps=routes.attend_prompt) as prompt_path:
         out, layer = run_layer(policy, q, k, v, [10, 1, 1, 1, 1, 1, 1])
     assert prompt_path.call_count == 1
     ref_out, ref_kept = reference_layer(q[0], k[0], v[0], [10, 1, 1, 1, 1, 1, 1], name, capacity, params)
     torch.testing.assert_close(out[0].double(), ref_out, atol=1e-5, rtol=1e-5)
 
 
-def blocked(q, keys, values, pos, qpos, *, scaling, new_from, window, want_scores, want_last, score_from):
+def blocked(q, kv, qpos, call):
     """`attend_prompt`'s job done by `attend`'s general path (new_from=None: every query masked by position)."""
-    return kernel.attend(q, keys, values, pos, qpos, scaling=scaling, window=window, want_scores=want_scores,
-                         want_last=want_last, score_from=score_from)  # fmt: skip
+    return routes.attend(q, kv, qpos, replace(call, new_from=None))
 
 
 @pytest.mark.parametrize("chunks", [[20, 1, 1, 1, 1], [6, 6, 8, 1, 1]], ids=["one-call", "chunks"])
@@ -91,10 +93,10 @@ def test_snapkv_keeps_the_same_tokens_through_the_prompt_path(chunks):
     the prompt path keeps the same tokens and gives the same outputs as the blocked path."""
     q, k, v = random_qkv(total=24, seed=31)
     policy = h2o_kv.SnapKV(budget=8, window=4)
-    with mock.patch.object(kernel, "attend_prompt", wraps=kernel.attend_prompt) as prompt_path:
+    with mock.patch.object(routes, "attend_prompt", wraps=routes.attend_prompt) as prompt_path:
         fast, fast_layer = run_layer(policy, q, k, v, chunks)
     assert prompt_path.call_count >= 1
-    with mock.patch.object(kernel, "attend_prompt", side_effect=blocked):
+    with mock.patch.object(routes, "attend_prompt", side_effect=blocked):
         slow, slow_layer = run_layer(policy, q, k, v, chunks)
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
     assert kept_positions(fast_layer) == kept_positions(slow_layer)
@@ -110,15 +112,16 @@ def test_bfloat16_on_a_cpu_without_native_products_computes_in_float32(n, int8, 
     keys, values, pos = slots(2, 2, 12 - n, n, 3, 16, torch.bfloat16)
     q = torch.randn(2, 4, n, 16, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     qpos = torch.arange(12 - n, 12).expand(2, n)
-    options = dict(scaling=0.25, want_scores=True, new_from=12 - n if n > 1 else None)
+    call = Call(scaling=0.25, want_scores=True, new_from=12 - n if n > 1 else None)
+    scales = {}
     if int8:
         (k8, v8), (ks, vs) = h2o_kv.cache.quant.quantize(torch.stack((keys, values)))
-        options |= dict(key_scale=ks, value_scale=vs)
+        scales = dict(key_scale=ks, value_scale=vs)
         keys, values = k8, v8
     work = torch.empty(keys.numel() + values.numel()) if n == 1 else None
-    out, scores, _ = kernel.attend(q, keys, values, pos, qpos, work=work, **options)
+    out, scores, _ = routes.attend(q, Slots(keys, values, pos, **scales, work=work), qpos, call)
     wide = (keys, values) if int8 else (keys.float(), values.float())
-    ref, ref_scores, _ = kernel.attend(q.float(), *wide, pos, qpos, **options)
+    ref, ref_scores, _ = routes.attend(q.float(), Slots(*wide, pos, **scales), qpos, call)
     assert out.dtype == torch.bfloat16 and kernel.compute_dtype(torch.bfloat16, q.device) == torch.float32
     assert torch.equal(out, ref.to(torch.bfloat16)) and torch.equal(scores, ref_scores)
 
@@ -130,14 +133,15 @@ def test_bfloat16_on_a_cpu_with_native_products_computes_in_bfloat16(int8, monke
     monkeypatch.setattr(kernel, "native_products", lambda dtype: True)
     keys, values, pos = slots(2, 2, 11, 1, 3, 16, torch.bfloat16)
     q = torch.randn(2, 4, 1, 16, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
-    options = dict(scaling=0.25, want_scores=True)
+    call, scales, native = Call(scaling=0.25, want_scores=True), {}, False
     if int8:
         (k8, v8), (ks, vs) = h2o_kv.cache.quant.quantize(torch.stack((keys, values)))
-        options |= dict(key_scale=ks, value_scale=vs, native_kernels=True)
+        scales, native = dict(key_scale=ks, value_scale=vs), True
         keys, values = k8, v8
-    out, scores, _ = kernel.attend(q, keys, values, pos, torch.full((2, 1), 11), **options)
+    qpos = torch.full((2, 1), 11)
+    out, scores, _ = routes.attend(q, Slots(keys, values, pos, **scales), qpos, call, native_kernels=native)
     wide = (keys, values) if int8 else (keys.float(), values.float())
-    ref, ref_scores, _ = kernel.attend(q.float(), *wide, pos, torch.full((2, 1), 11), **options)
+    ref, ref_scores, _ = routes.attend(q.float(), Slots(*wide, pos, **scales), qpos, call, native_kernels=native)
     assert out.dtype == torch.bfloat16 and kernel.compute_dtype(torch.bfloat16, q.device) == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(scores, ref_scores, atol=2e-2, rtol=2e-2)

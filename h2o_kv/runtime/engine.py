@@ -21,8 +21,7 @@ import threading
 
 import torch
 
-from h2o_kv import policies
-from h2o_kv.backends import native
+from h2o_kv import backends, policies
 from h2o_kv.cache.attention import enable
 from h2o_kv.cache.formats import check_kv_dtype
 from h2o_kv.cache.kvcache import KVCache
@@ -69,8 +68,7 @@ class Engine:
             raise ValueError(f"session_memory must be a number of bytes (0: off), got {session_memory!r}")
         self.model, self.tokenizer = enable(model), tokenizer
         check_kv_dtype(kv_dtype)
-        if model.device.type == "cpu" and native.resolve(None):  # what the engine's caches (compile_kernel=None) use
-            native.load()  # the C++ kernels, built (once per machine) before the first request, not in its first step
+        backends.prepare(model.device)  # the C++ kernels built (once per machine) before the first request's step
         self.policy, self.budget, self.sinks, self.mode, self.kv_dtype = policy, budget, sinks, mode, kv_dtype
         self.kv_memory, self.max_batch, self.prefill_chunk = kv_memory, max_batch, prefill_chunk
         config = text_config(model.config)

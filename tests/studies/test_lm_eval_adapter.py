@@ -83,7 +83,7 @@ def _loglikelihoods(result: dict, task: str) -> list[float]:
 def test_multiple_choice_full_equals_stock_hf_and_tiny_budget_changes_it(bundled, task_dir: Path) -> None:
     task = "h2o_kv_tiny_mc"
     full = _run("h2o_kv", task_dir, task, model_args="pretrained=smollm2-135m,policy=full", device="cpu")
-    model, tokenizer = load_model(enable_h2o=False)
+    model, tokenizer = load_model("smollm2-135m", enable_h2o=False)
     stock = _run(HFLM(pretrained=model, tokenizer=tokenizer, device="cpu", batch_size=1), task_dir, task)
     tiny = _run("h2o_kv", task_dir, task, model_args="pretrained=smollm2-135m,policy=h2o,budget=4,prefill_chunk=4")
     accs = [r["results"][task]["acc,none"] for r in (full, stock, tiny)]
@@ -98,7 +98,7 @@ def test_multiple_choice_full_equals_stock_hf_and_tiny_budget_changes_it(bundled
 def test_generate_until_and_fractional_budget(bundled, task_dir: Path) -> None:
     task = "h2o_kv_tiny_gen"
     full = _run("h2o_kv", task_dir, task, model_args={"pretrained": "smollm2-135m", "policy": "full"})
-    model, tokenizer = load_model(enable_h2o=False)
+    model, tokenizer = load_model("smollm2-135m", enable_h2o=False)
     stock = _run(HFLM(pretrained=model, tokenizer=tokenizer, device="cpu", batch_size=1), task_dir, task)
     h2o = _run("h2o_kv", task_dir, task, model_args="pretrained=smollm2-135m,policy=h2o,budget=0.5,prefill_chunk=8")
     outputs = [[s["filtered_resps"] for s in r["samples"][task]] for r in (full, stock, h2o)]
@@ -108,7 +108,7 @@ def test_generate_until_and_fractional_budget(bundled, task_dir: Path) -> None:
 
 
 def test_adapter_rejects_bad_policy_and_budget(bundled) -> None:
-    model, tokenizer = load_model()
+    model, tokenizer = load_model("smollm2-135m")
     with pytest.raises(ValueError):
         lm_eval_adapter.H2OKVLM(pretrained=model, tokenizer=tokenizer, policy="nope", budget=0.2)
     with pytest.raises(ValueError):

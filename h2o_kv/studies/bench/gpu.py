@@ -172,7 +172,7 @@ def run_prefill(model, context: int, device, repeats: int) -> dict:
 
 def attention_ops(context: int, shape: str, device, dtype) -> dict:
     """One layer's prompt attention at `context` tokens, batch 1: SDPA alone against flash attention with its
-    log-sum-exp plus H2O's key scores (`attend.prompt_scores`), and the decode kernel over 20 % of the slots."""
+    log-sum-exp plus H2O's key scores (`prompt.prompt_scores`), and the decode kernel over 20 % of the slots."""
     from h2o_kv.backends import triton_decode, triton_scores
 
     s = SHAPES[shape]

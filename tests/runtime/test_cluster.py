@@ -221,14 +221,19 @@ def _wait_finished(url: str, done, what: str, before: dict[str, float], busy: st
         raise AssertionError(f"{err}; each replica's last report: {counts}") from None
 
 
+def _running(url: str) -> list[float]:
+    return sorted(m["requests_running"] for m in replicas(url).values())
+
+
 def test_requests_go_to_the_replica_with_room_and_sessions_stick(cluster):
     api = client(cluster)
+    # an earlier test's request may still be ending on a replica (its reservation would pass for alice's)
+    wait_for(lambda: _running(cluster) == [0, 0], timeout=60, what="the replicas idle before the test")
     stop = threading.Event()
     held = _hold(cluster, "alice", stop)
-    wait_for(lambda: any(m["kv_bytes_reserved"] > 0 for m in replicas(cluster).values()), timeout=30,
-             what="the long request's reservation reported")  # fmt: skip
+    wait_for(lambda: _running(cluster) == [0, 1], timeout=30, what="the long request running on one replica")
     stats = replicas(cluster)
-    busy = max(stats, key=lambda r: stats[r]["kv_bytes_reserved"])
+    busy = max(stats, key=lambda r: stats[r]["requests_running"])  # alice's: the one request running
     (free,) = set(stats) - {busy}
     before = finished(cluster)
     for i in range(4):  # other conversations: the replica with room

@@ -167,11 +167,9 @@ class KVCache(Cache):
         mine = self.settings
         twin = KVCache(mine.policy, mode=mine.mode, prefill_chunk=mine.prefill_chunk, prompt_len=mine.prompt_len,
                        kv_dtype=mine.kv_dtype, compile_kernel=mine.compile_kernel)  # fmt: skip
-        twin.settings.warned = mine.warned
+        twin.settings.warned, twin.settings.past_context = mine.warned, mine.past_context  # warned once, as one cache
         index = torch.as_tensor(rows, dtype=torch.long)
         twin.layers = [layer.forked(index, twin.settings) for layer in self.layers]
-        for layer in twin.layers:
-            layer._refresh_bounds()
         return twin
 
     # -- the steady decode step (runtime/graphs.py) ------------------------------------------------------

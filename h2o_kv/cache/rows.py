@@ -46,6 +46,7 @@ class Rows:
         twin.settings = settings
         twin.vacant_buffer = twin.decode_tags = None  # the steady step's buffers are per layer: made again
         twin.batch_select_indices(rows)
+        twin._refresh_bounds()
         return twin
 
     def _rows_changed(self) -> None:

@@ -196,13 +196,24 @@ def test_the_server_reuses_a_conversation_and_counts_it():
                         session_memory=2**24) as (engine, url):  # fmt: skip
         api = client(url)
         first = api.completions.create(model=MODEL, prompt=text, max_tokens=ANSWER, temperature=0)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
         assert metric(url, "h2o_kv_prefix_entries") == 1 and metric(url, "h2o_kv_prefix_hits_total") == 0
         held = metric(url, "h2o_kv_prefix_bytes_held")
         assert 0 < held <= 2**24
         # the next turn resends the conversation: the kept cache had seen all of it but the answer's last token
-        api.completions.create(model=MODEL, prompt=text + first.choices[0].text + " who", max_tokens=2, temperature=0)
+        second = api.completions.create(
+            model=MODEL,
+            prompt=text + first.choices[0].text + " who",
+            max_tokens=2,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        use = [chunk.usage for chunk in second if chunk.usage is not None][0]  # OpenAI's field for reused tokens
+        reused = len(text) + first.usage.completion_tokens - 1
+        assert use.prompt_tokens_details.cached_tokens == reused
         assert metric(url, "h2o_kv_prefix_hits_total") == 1
-        assert metric(url, "h2o_kv_prefix_tokens_reused_total") == len(text) + first.usage.completion_tokens - 1
+        assert metric(url, "h2o_kv_prefix_tokens_reused_total") == reused
         assert metric(url, "h2o_kv_prefix_bytes_held") > held and engine.stats()["prefix_entries"] == 2
 
 

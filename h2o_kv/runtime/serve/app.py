@@ -266,7 +266,7 @@ def _completion_routes(app: FastAPI, engine, tokenizer, metrics: ServerMetrics, 
         text, finish = await _collect(request, run, events)
         if finish == "error":
             raise ApiError(500, f"generation failed: {req.error}", type="server_error", code="generation_failed")
-        use = schemas.usage(req.prompt_tokens, run.tokens)
+        use = schemas.usage(req.prompt_tokens, run.tokens, req.reused_tokens)
         build = schemas.chat_completion if chat else schemas.completion
         reply = build(rid, model_name, text, finish, use)
         if warning is not None:  # an extra field: OpenAI clients keep it (the Python client in `model_extra`)
@@ -365,7 +365,7 @@ async def _stream(
             else:
                 yield _sse(schemas.completion_chunk(rid, model, event.text, event.finish_reason, include_usage))
         if include_usage:
-            use = schemas.usage(run.req.prompt_tokens, run.tokens)
+            use = schemas.usage(run.req.prompt_tokens, run.tokens, run.req.reused_tokens)
             yield _sse(schemas.usage_chunk(rid, "chat.completion.chunk" if chat else "text_completion", model, use))
         yield _sse("[DONE]")
     finally:

@@ -143,11 +143,13 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens`: prompt tokens a kept cache had seen (not prefilled again)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -180,7 +182,7 @@ def chat_chunk(id: str, model: str, delta: dict, finish_reason: str | None, with
     return _chunk(id, "chat.completion.chunk", model, [choice], with_usage)
 
 
-def usage_chunk(id: str, object: str, model: str, use: dict[str, int]) -> dict[str, Any]:
+def usage_chunk(id: str, object: str, model: str, use: dict[str, Any]) -> dict[str, Any]:
     """The last chunk of a stream with `stream_options.include_usage`: no choices, the usage."""
     return _envelope(id, object, model, [], use)
 

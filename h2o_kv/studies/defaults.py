@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+from h2o_kv.studies.report import commit as commit_of_checkout
 
 PASSAGE_START = "Enter Rosencrantz and Guildenstern"
 INSTRUCTION = "Answer in a few words."
@@ -75,15 +76,6 @@ def first_line(tokenizer):
     return lambda tokens: "\n" in tokenizer.decode(tokens, skip_special_tokens=True).strip(" ")
 
 
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, check=True).stdout
-        return out.stdout.strip() + ("+dirty" if dirty.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def run(models: Sequence[str], out: Path, *, words: int, compared: Sequence[str], max_new_tokens: int,
         threads: int | None, only: Sequence[int] | None = None) -> None:  # fmt: skip
     """Ask every question of every model; append one JSON line per (model, words, question) not yet in `out`."""
@@ -100,7 +92,7 @@ def run(models: Sequence[str], out: Path, *, words: int, compared: Sequence[str]
     done = {(r["model"], r["words"], r["question"]) for r in _rows(out)}
     text = passage(words)
     asked = [q for i, q in enumerate(questions(text)) if only is None or i in only]
-    commit = _commit()
+    commit = commit_of_checkout()
     out.parent.mkdir(parents=True, exist_ok=True)
     for name in models:
         todo = [(q, a) for q, a in asked if (name, words, q) not in done]

@@ -101,14 +101,17 @@ def _text(chunk: dict) -> str:
     return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
 
 
-async def _watch_metrics(client: httpx.AsyncClient, url: str, peaks: dict, stop: asyncio.Event) -> None:
-    """Peaks of the server's gauges, sampled every 50 ms and once more after `stop` (left empty for a
-    server without /metrics). The server's own high-water marks catch what falls between samples."""
+async def watch_metrics(client: httpx.AsyncClient, url: str, peaks: dict, stop: asyncio.Event,
+                        extra: dict[str, str] | None = None) -> None:  # fmt: skip
+    """Peaks of the server's gauges (and of `extra`: metric name -> key), sampled every 50 ms and once more after
+    `stop` (left empty for a server without /metrics). The server's own high-water marks catch what falls between
+    samples."""
     from prometheus_client.parser import text_string_to_metric_families
 
     names = {"h2o_kv_requests_running": "peak_running", "h2o_kv_requests_running_peak": "peak_running",
              "h2o_kv_requests_waiting": "peak_waiting", "h2o_kv_kv_bytes_in_use": "peak_kv_bytes",
-             "h2o_kv_kv_bytes_peak": "peak_kv_bytes", "h2o_kv_kv_bytes_allowed": "kv_bytes_allowed"}  # fmt: skip
+             "h2o_kv_kv_bytes_peak": "peak_kv_bytes", "h2o_kv_kv_bytes_allowed": "kv_bytes_allowed",
+             **(extra or {})}  # fmt: skip
     while True:
         response = await client.get(f"{url}/metrics")
         if response.status_code != 200:
@@ -147,7 +150,7 @@ async def run_config(url: str, model: str, prompts: list[list[int]] | list[str],
         response = await client.post(f"{url}/reset_peaks")  # 404 / 405: a server without peak gauges
         if response.status_code not in (204, 404, 405):
             response.raise_for_status()
-        watcher = asyncio.create_task(_watch_metrics(client, url, peaks, stop))
+        watcher = asyncio.create_task(watch_metrics(client, url, peaks, stop))
         start = time.perf_counter()
         tasks = [asyncio.create_task(_one(client, url, base | {"prompt": ids}, gate)) for ids in prompts]
         done, pending = await asyncio.wait(tasks, timeout=timeout)

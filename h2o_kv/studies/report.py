@@ -12,6 +12,7 @@ import json
 import math
 import os
 import platform
+import subprocess
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -65,7 +66,18 @@ def environment() -> Row:
         load_avg=os.getloadavg() if hasattr(os, "getloadavg") else None,  # a busy machine gives noisy timings
         malloc=malloc_state(),  # "retained": glibc keeps freed memory (malloc.py), prompts fault far less
         cuda=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        commit=commit(),
     )
+
+
+def commit() -> str:
+    """The checkout's short commit, "+dirty" when the tree has changes; "unknown" outside a git checkout."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, check=True).stdout
+        return out.stdout.strip() + ("+dirty" if dirty.strip() else "")
+    except (OSError, subprocess.CalledProcessError):  # not a checkout (an installed wheel), or no git
+        return "unknown"
 
 
 def _cpu_model() -> str | None:

@@ -11,16 +11,55 @@ in one run would have it. With `Full()` that is a fresh prefill's cache.
 The store holds at most `budget` bytes (`KVCache.nbytes()` of its caches), least recently used out first; the
 scheduler also drops kept caches whenever running requests need the room (`evict`), so kept bytes never make a
 request wait. Everything here runs on the engine's thread, under its step lock.
+
+For the cluster's router (`runtime/cluster/affinity.py`) the store also publishes `kept`: the (length, fingerprint)
+of each kept sequence, most recently used first, as one immutable tuple replaced after every change, so another
+thread (the replica's routing-stats report) reads a consistent snapshot without the step lock. A fingerprint is a
+chain of 64-bit BLAKE2b digests over the token ids in blocks of `BLOCK` (`fingerprint`); a router that has a
+request's prompt ids computes the fingerprint of any prefix of them from the prompt's own chain (`chain`, `link`)
+with at most one more digest, and so learns which kept sequence the prompt extends on each replica.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
+from itertools import islice
 
 from h2o_kv.cache.kvcache import KVCache
 from h2o_kv.policies import Policy
 
 Key = tuple[Policy, tuple[int, ...]]
+BLOCK = 32  # token ids hashed together in a fingerprint's chain
+KEPT_REPORTED = 1024  # most kept sequences in `kept` (the most recently used)
+
+
+def pack(ids) -> bytes:
+    """Token ids as little-endian unsigned 32-bit numbers: what fingerprints hash (the same bytes on every machine)."""
+    return struct.pack(f"<{len(ids)}I", *ids)
+
+
+def link(digest: int, data: bytes) -> int:
+    """The next digest of a chain: BLAKE2b (64 bits) of the previous one and the packed ids that follow."""
+    return int.from_bytes(hashlib.blake2b(digest.to_bytes(8, "little") + data, digest_size=8).digest(), "little")
+
+
+def chain(packed: bytes) -> list[int]:
+    """Digests of the first 0, 1, 2, ... full blocks of packed ids (0 for none)."""
+    step = 4 * BLOCK
+    digests = [0]
+    for start in range(0, len(packed) - step + 1, step):
+        digests.append(link(digests[-1], packed[start : start + step]))
+    return digests
+
+
+def fingerprint(ids) -> int:
+    """The fingerprint of a token sequence: its full blocks chained, then the rest (if any) linked to the last."""
+    packed = pack(ids)
+    digests = chain(packed)
+    tail = packed[4 * BLOCK * (len(digests) - 1) :]
+    return link(digests[-1], tail) if tail else digests[-1]
 
 
 class PrefixStore:
@@ -30,7 +69,8 @@ class PrefixStore:
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
             raise ValueError(f"a prefix store's budget must be a positive number of bytes, got {budget!r}")
         self.budget = budget
-        self._entries: OrderedDict[Key, tuple[KVCache, int]] = OrderedDict()  # oldest use first
+        self._entries: OrderedDict[Key, tuple[KVCache, int, int]] = OrderedDict()  # (cache, bytes, fingerprint)
+        self.kept: tuple[tuple[int, int], ...] = ()  # (length, fingerprint) of the kept sequences, newest use first
         self.held = 0  # bytes of the kept caches
         self.peak = 0  # most bytes held at once
         self.hits = 0  # requests that started from a kept cache
@@ -49,11 +89,13 @@ class PrefixStore:
         self._remove(key)
         size = cache.nbytes()
         if size > self.budget:
+            self._publish()
             return
         self.evict(self.budget - size)
-        self._entries[key] = (cache, size)
+        self._entries[key] = (cache, size, fingerprint(ids))
         self.held += size
         self.peak = max(self.peak, self.held)
+        self._publish()
 
     def longest(self, policy: Policy, ids: list[int]) -> Key | None:
         """The key of the longest kept sequence under `policy` that is a proper prefix of `ids` (None: none is),
@@ -77,16 +119,25 @@ class PrefixStore:
             self.evict(room)
         if key is None or key not in self._entries:
             return None
+        self._publish()  # the prefix used is the newest now
         self.hits += 1
         self.tokens_reused += len(key[1])
         return len(key[1]), self._entries[key][0].fork()
 
     def evict(self, limit: int) -> None:
         """Drop the least recently used kept caches until at most `limit` bytes are held."""
+        dropped = self.dropped
         while self._entries and self.held > limit:
             key = next(iter(self._entries))
             self._remove(key)
             self.dropped += 1
+        if self.dropped != dropped:
+            self._publish()
+
+    def _publish(self) -> None:
+        """Replace `kept` with the (length, fingerprint) of the `KEPT_REPORTED` most recently used sequences."""
+        newest = islice(reversed(self._entries.items()), KEPT_REPORTED)
+        self.kept = tuple((len(ids), entry[2]) for (_, ids), entry in newest)
 
     def _remove(self, key: Key) -> None:
         entry = self._entries.pop(key, None)

@@ -1,8 +1,10 @@
 """`h2o-kv serve --replicas 2` on Ray Serve, inside the test run on 127.0.0.1 (runtime/cluster): the OpenAI routes
 through the gateway (completions, streaming), routing to the replica with the most free KV memory, session
-stickiness, and a replica killed by its PID mid-load. Which replica served what is read from the gateway's
-per-replica metrics. And the command itself as a process: SIGTERM drains it and leaves no process of its private
-Ray; a start on a Ray where Serve already runs is refused. Every load loop is bounded in count and time."""
+stickiness, a conversation's next turn sent to the replica that kept its first (and reusing it), and a replica
+killed by its PID mid-load (its conversation answered elsewhere, prefilled again). Which replica served what is read
+from the gateway's per-replica metrics. And the command itself as a process: SIGTERM drains it and leaves no process
+of its private Ray; a start on a Ray where Serve already runs is refused. Every load loop is bounded in count and
+time. The routing rule and the gateway without Ray: tests/runtime/test_cluster_routing.py."""
 
 from __future__ import annotations
 
@@ -29,8 +31,10 @@ from h2o_kv.runtime.serve.requests import Limits  # noqa: E402
 
 from serve_helpers import MODEL, tiny_model, wait_for  # noqa: E402
 
-KV_MEMORY = 400_000  # bytes per replica: a long request's reservation is a large share of it
-ENGINE = dict(policy="h2o", budget=64, kv_memory=KV_MEMORY, max_batch=4, prefill_chunk=64)
+KV_MEMORY = 400_000  # bytes per replica
+SESSION_MEMORY = 200_000  # bytes of finished requests' caches each replica keeps for reuse (a dozen)
+ENGINE = dict(policy="h2o", budget=64, kv_memory=KV_MEMORY, max_batch=4, prefill_chunk=64,
+              session_memory=SESSION_MEMORY)  # fmt: skip
 
 
 def replicas(url: str) -> dict[str, dict[str, float]]:
@@ -250,11 +254,57 @@ def test_requests_go_to_the_replica_with_room_and_sessions_stick(cluster):
     assert held.result(timeout=120) > 0
 
 
-def test_a_killed_replica_fails_only_its_requests_and_comes_back(cluster):
-    """Mid-load, one replica's process is killed: every request ends (completions retried elsewhere, streams
-    already started end with an error event), and Ray Serve starts the replica again. After the kill one replica
-    serves all 8 requests while the new process loads torch, so a request may take minutes on a busy machine."""
+def _chat(url: str, messages: list[dict], **extra):
+    """One chat turn of one token, greedy (the kept cache then has seen exactly the turn's prompt)."""
+    return client(url).chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0, **extra)
+
+
+def _turns(tokenizer, first: str) -> tuple[list[dict], list[dict], list[int]]:
+    """A conversation's first turn, its second (the first, an answer and a question) and the first's prompt ids
+    as the replicas compute them; the second's ids extend them (checked), so a replica keeping the first reuses it."""
+    turn1 = [{"role": "user", "content": first}]
+    turn2 = turn1 + [{"role": "assistant", "content": "Fine."}, {"role": "user", "content": "Tell me a story."}]
+    ids1, ids2 = (tokenizer(tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
+                            add_special_tokens=False)["input_ids"] for m in (turn1, turn2))  # fmt: skip
+    assert ids2[: len(ids1)] == ids1 and len(ids2) > len(ids1)
+    return turn1, turn2, ids1
+
+
+def test_a_conversations_next_turn_goes_to_the_replica_that_kept_its_first(cluster, tokenizer):
+    """Turn 1 of a chat leaves its cache kept on its replica, which then also runs a long stream (the same session,
+    so sticky), so it has less room than the other; turn 2, with no session id, still goes there by the fingerprints
+    of what it keeps, and prefills only what follows turn 1's prompt."""
+    turn1, turn2, ids1 = _turns(tokenizer, "Hello there, how are you today?")
+    wait_for(lambda: _running(cluster) == [0, 0], timeout=60, what="the replicas idle before the test")
+    assert _chat(cluster, turn1, user="conv").usage.prompt_tokens == len(ids1)
+    stop = threading.Event()
+    held = _hold(cluster, "conv", stop)
+    wait_for(lambda: _running(cluster) == [0, 1], timeout=30, what="the long request running on turn 1's replica")
+    stats = replicas(cluster)
+    holder = max(stats, key=lambda r: stats[r]["requests_running"])
+    hits = {name: m["prefix_hits"] for name, m in stats.items()}
+    reply = _chat(cluster, turn2)
+    assert reply.usage.prompt_tokens_details.cached_tokens == len(ids1), reply.usage
+    wait_for(lambda: replicas(cluster)[holder]["prefix_hits"] == hits[holder] + 1, timeout=30,
+             what="the prefix hit reported by turn 1's replica")  # fmt: skip
+    assert {name: m["prefix_hits"] for name, m in replicas(cluster).items() if name != holder} == {
+        name: count for name, count in hits.items() if name != holder}  # fmt: skip
+    stop.set()
+    assert held.result(timeout=120) > 0
+
+
+def test_a_killed_replica_fails_only_its_requests_and_comes_back(cluster, tokenizer):
+    """Mid-load, the replica that kept a conversation's first turn is killed: every request ends (completions
+    retried elsewhere, streams already started end with an error event), the conversation's next turn is prefilled
+    again and answered, and Ray Serve starts the replica again. After the kill one replica serves all 8 requests
+    while the new process loads torch, so a request may take minutes on a busy machine."""
     api = client(cluster, timeout=180)
+    turn1, turn2, ids1 = _turns(tokenizer, "What is a KV cache, in one line?")
+    wait_for(lambda: _running(cluster) == [0, 0], timeout=60, what="the replicas idle before the test")
+    before = finished(cluster)
+    _chat(cluster, turn1)
+    wait_for(lambda: sum(finished(cluster).values()) == sum(before.values()) + 1, timeout=30, what="turn 1 reported")
+    (holder,) = [name for name, count in finished(cluster).items() if count == before[name] + 1]
 
     def complete(i: int) -> str:
         return api.completions.create(model=MODEL, prompt=f"Load {i}", max_tokens=200, user=f"u{i}",
@@ -268,9 +318,9 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(cluster):
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         started = time.monotonic()
         jobs = [pool.submit(complete, i) for i in range(4)] + [pool.submit(stream, i) for i in range(4)]
-        wait_for(lambda: sum(m["requests_running"] for m in replicas(cluster).values()) >= 2, timeout=30,
-                 what="requests running on the replicas")  # fmt: skip
-        victim = int(max(replicas(cluster).values(), key=lambda m: m["requests_running"])["process_id"])
+        wait_for(lambda: replicas(cluster)[holder]["requests_running"] >= 1, timeout=30,
+                 what="requests running on the replica keeping turn 1")  # fmt: skip
+        victim = int(replicas(cluster)[holder]["process_id"])
         os.kill(victim, signal.SIGKILL)
         outcomes = []
         for job in jobs:
@@ -285,6 +335,8 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(cluster):
     broken = sum(o != "length" for o in outcomes)
     assert retried + broken >= 1, outcomes  # the kill hit requests in flight: retried or ended with an error
     assert gateway_metric(cluster, "h2o_kv_gateway_streams_broken_total") == broken
+    again = _chat(cluster, turn2).usage  # its kept cache died with its replica: all of it prefilled elsewhere
+    assert again.completion_tokens == 1 and again.prompt_tokens_details.cached_tokens == 0, again
 
     def restarted() -> bool:
         pids = [m.get("process_id") for m in replicas(cluster).values()]
@@ -308,102 +360,3 @@ def test_a_start_where_serve_already_runs_is_refused(cluster, tmp_path):
     assert last.startswith(f"h2o-kv: error: serve: Ray Serve already runs on the Ray cluster at {address}")
     assert "Traceback" not in done.stderr
     assert client(cluster).completions.create(model=MODEL, prompt="Still", max_tokens=3).usage.completion_tokens == 3
-
-
-class _FakeReplicas:
-    """Stands in for the replicas' deployment handle: records the calls, answers 200 with a fixed body."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple] = []
-        self.options_seen: list[dict] = []
-
-    def options(self, **options):
-        self.options_seen.append(options)
-        return self
-
-    @property
-    def forward(self):
-        return self
-
-    def remote(self, *call):
-        self.calls.append(call)
-
-        async def parts():
-            yield {"status": 200, "headers": [(b"content-type", b"application/json")]}
-            yield b'{"ok": true}'
-
-        return parts()
-
-
-def test_the_gateway_checks_keys_and_names_the_session():
-    """Without Ray: the gateway's key check (every route but /health) and the session it hands the router."""
-    from fastapi.testclient import TestClient
-
-    from h2o_kv.runtime.cluster.gateway import build_gateway
-
-    fake = _FakeReplicas()
-    with TestClient(build_gateway(fake, ["secret"])) as http:
-        refused = http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
-        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
-        assert http.get("/metrics").status_code == 401 and not fake.calls
-        assert http.get("/health").json() == {"ok": True}
-        keyed = {"Authorization": "Bearer secret"}
-        assert http.post("/v1/completions", json={"prompt": "x", "user": "ann"}, headers=keyed).status_code == 200
-        http.post("/v1/completions", json={"prompt": "x", "user": "ann"}, headers={**keyed, "X-Session-Id": "s1"})
-        assert http.get("/metrics", headers=keyed).status_code == 200
-    assert [o["session_id"] for o in fake.options_seen] == ["", "ann", "s1"]
-    method, path, headers, _ = fake.calls[1]
-    assert (method, path) == ("POST", "/v1/completions")
-    assert all(name != b"authorization" for name, _ in headers)  # the key stays at the gateway
-
-
-def test_the_routers_rank_key():
-    """Free KV bytes first, less the expected bytes of requests sent since the last report; a replica that has
-    not reported yet (just started) counts as free as the emptiest one, not as full."""
-    from types import SimpleNamespace
-
-    from h2o_kv.runtime.cluster.routing import request_bytes, room
-
-    busy = {"free_kv_bytes": 600.0, "running": 2, "waiting": 0, "kv_bytes_reserved": 400}
-    idle = {"free_kv_bytes": 1000.0, "running": 0, "waiting": 0, "kv_bytes_reserved": 0}
-    per_request = request_bytes([SimpleNamespace(routing_stats=s) for s in (busy, idle, None)])
-    assert per_request == 200.0  # 400 bytes reserved by 2 running requests
-    assert room(idle, 0, per_request, 1000.0) > room(busy, 0, per_request, 1000.0)
-    assert room(idle, 3, per_request, 1000.0) < room(busy, 0, per_request, 1000.0)  # 3 just sent: 400 left
-    assert room({}, 0, per_request, 1000.0) == room(idle, 0, per_request, 1000.0)  # unreported = the emptiest
-    assert room({}, 1, per_request, 1000.0) < room(idle, 0, per_request, 1000.0)
-
-
-def test_the_gateway_bounds_a_body_before_reading_it():
-    """Without Ray: a body over the bound (413) or without a length (411) never reaches a replica."""
-    from fastapi.testclient import TestClient
-
-    from h2o_kv.runtime.cluster.gateway import build_gateway
-
-    fake = _FakeReplicas()
-    with TestClient(build_gateway(fake, [], max_body_bytes=100)) as http:
-        big = http.post("/v1/completions", json={"prompt": "x" * 200})
-        assert big.status_code == 413 and big.json()["error"]["code"] == "body_too_large"
-        chunked = http.post("/v1/completions", content=iter([b'{"prompt": "x"}']))
-        assert chunked.status_code == 411
-        assert http.post("/v1/completions", json={"prompt": "x"}).status_code == 200
-    assert len(fake.calls) == 1
-
-
-def test_a_request_the_gateway_finished_no_longer_counts_against_its_replica():
-    """Without Ray: Ray Serve's completion callback can come after the client's next request is routed; a request
-    whose answer the gateway has relayed to the end (`reports.finish`) stops counting against its replica at once,
-    so a replica with room does not look as full as a busy one (the cause of a flaky routing test)."""
-    from types import SimpleNamespace
-
-    from h2o_kv.runtime.cluster import reports
-    from h2o_kv.runtime.cluster.routing import KVRoomRouter
-
-    router = SimpleNamespace(reports={}, flight={"internal-1": ("free", 1.0, "req-1"), "internal-2": ("free", 1.0, "")})
-    assert KVRoomRouter.unreported(router, "free") == 2
-    reports.finish("req-1")
-    assert KVRoomRouter.unreported(router, "free") == 1 and reports.finished("req-1")
-    KVRoomRouter.on_request_completed(router, "free", "internal-1")  # Ray Serve's word comes late: the id is forgotten
-    assert not reports.finished("req-1") and KVRoomRouter.unreported(router, "free") == 1
-    reports.finish("")  # no request id: nothing to remember
-    assert KVRoomRouter.unreported(router, "free") == 1

@@ -1,9 +1,12 @@
 """The cluster's front door: a Ray Serve FastAPI ingress in front of the engine replicas (`h2o-kv serve --replicas`).
 
-Every route of the one-process server goes through unchanged: the gateway checks the API key, picks nothing
-itself and hands the request to the replicas' deployment handle, whose router (routing.py) sends it to the
-replica with the most free KV memory, or to the one that served its session (`X-Session-Id` header or the
-body's `user` field). What the replica's app answers comes back as it is sent (streams included).
+Every route of the one-process server goes through unchanged: the gateway checks the API key, picks nothing itself
+and hands the request to the replicas' deployment handle, whose router (routing.py) sends it to the replica that
+served its session (`X-Session-Id` header or the body's `user` field), else to the one of least cost (affinity.py):
+room for it, then the prompt tokens a replica already holds (its longest kept prefix) weighed against how full it
+is. For that the gateway tokenizes each completion's prompt as the replicas will and sends its fingerprints with the
+call (prompts.py), when the replicas keep prefixes (`--session-memory`). What the replica's app answers comes back
+as it is sent (streams included).
 
 A replica that dies: a request that has received nothing yet is sent again (another replica, up to
 `RETRIES` tries); a stream that already started ends with an OpenAI-shaped error event and `data: [DONE]`;
@@ -18,8 +21,10 @@ OpenAI-shaped `shutting_down` error event and `data: [DONE]`, a request with no 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -30,7 +35,7 @@ from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.exceptions import RequestCancelledError
 
-from h2o_kv.runtime.cluster import reports, routing
+from h2o_kv.runtime.cluster import prompts, reports, routing
 from h2o_kv.runtime.serve import schemas
 from h2o_kv.runtime.serve.app import WRONG_KEY, body_refusal, error_response, key_matches
 from h2o_kv.runtime.serve.metrics import CONTENT_TYPE, PREFIX
@@ -46,6 +51,9 @@ _REPLICA_GAUGES = (
     ("replica_kv_bytes_peak", "kv_bytes_peak", "Most KV bytes each replica held since it started or /reset_peaks"),
     ("replica_generated_tokens", "generated_tokens", "Tokens each replica has generated since it started"),
     ("replica_requests_finished", "finished_requests", "Requests each replica has finished since it started"),
+    ("replica_prefix_entries", "prefix_entries", "Finished requests' caches each replica keeps for reuse"),
+    ("replica_prefix_hits", "prefix_hits", "Requests each replica started from a kept cache since it started"),
+    ("replica_prefix_tokens_reused", "prefix_tokens_reused", "Prompt tokens each replica did not prefill (kept)"),
     ("replica_process_id", "pid", "Each replica's process id"),
     ("replica_torch_threads", "torch_threads", "Each replica's torch CPU threads"),
 )
@@ -99,10 +107,12 @@ class Drain:
             parts.cancel()
 
 
-def build_gateway(replicas, api_keys: list[str], max_body_bytes: int = 1 << 20) -> FastAPI:
+def build_gateway(replicas, api_keys: list[str], max_body_bytes: int = 1 << 20, tokenizer=None) -> FastAPI:
     """The gateway's app over the replicas' deployment handle; a body is read only once the key is checked and
-    its length is within `max_body_bytes` (the replicas' own bound)."""
+    its length is within `max_body_bytes` (the replicas' own bound). With the model's `tokenizer`, each completion
+    carries its prompt's fingerprints to the router (tokenized on one worker thread, off the event loop)."""
     app = FastAPI(title="h2o-kv cluster")
+    tokenizing = ThreadPoolExecutor(1, thread_name_prefix="h2o-kv-gateway-tokenizer")
     keys = [key.encode() for key in api_keys]
     registry = CollectorRegistry()
     registry.register(_Replicas())
@@ -141,8 +151,12 @@ def build_gateway(replicas, api_keys: list[str], max_body_bytes: int = 1 << 20) 
         body = await request.body()
         headers = [(k.encode(), v.encode()) for k, v in request.headers.items() if k.lower() != "authorization"]
         handle = replicas.options(stream=True, session_id=session_of(request, body))
+        prompt = None
+        if tokenizer is not None and request.method == "POST":
+            loop = asyncio.get_running_loop()
+            prompt = await loop.run_in_executor(tokenizing, prompts.fingerprint, tokenizer, f"/{path}", body)
         for _ in range(RETRIES):
-            parts = handle.forward.remote(request.method, f"/{path}", headers, body)
+            parts = handle.forward.remote(request.method, f"/{path}", headers, body, prompt=prompt)
             drain.calls.add(parts)
             try:
                 if drain.ending:
@@ -200,7 +214,7 @@ def _last_event(message: str, code: str) -> bytes:
 
 
 def build(model: str, *, device: str, engine: dict, served_name: str, limits, replicas: int, api_keys: list[str]):
-    """The Ray Serve application: `replicas` engine replicas routed by free KV memory, behind the gateway."""
+    """The Ray Serve application: `replicas` engine replicas behind the gateway, routed by routing.KVRoomRouter."""
     from ray.serve.config import RequestRouterConfig
 
     from h2o_kv.runtime.cluster.replica import EngineReplica
@@ -217,9 +231,11 @@ def build(model: str, *, device: str, engine: dict, served_name: str, limits, re
     class Gateway:
         def __init__(self, engines_handle) -> None:
             self.engines = engines_handle
+            # the replicas' own, to match what they keep; without --session-memory they keep nothing: no need
+            self.tokenizer = prompts.load_tokenizer(model) if engine.get("session_memory") else None
 
         def __serve_build_asgi_app__(self):
-            app = build_gateway(self.engines, api_keys, limits.max_body_bytes)
+            app = build_gateway(self.engines, api_keys, limits.max_body_bytes, self.tokenizer)
             self.drain = app.state.drain
             return app
 

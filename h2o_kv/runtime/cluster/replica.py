@@ -5,7 +5,8 @@ The gateway (gateway.py) hands each HTTP request over as (method, path, headers,
 through the replica's app and yields the response's start (status and headers) and then its body chunks,
 as the app sends them, so a stream stays a stream across the cluster. A cancelled call (the client went
 away, or the gateway gave up) is a disconnect for the app, which cancels the request and frees its rows.
-`record_routing_stats` is what Ray Serve polls for the router (routing.py): the replica's room for more KV.
+`record_routing_stats` is what Ray Serve polls for the router (routing.py): the replica's room for more KV, and
+the (length, fingerprint) of each sequence its prefix store keeps (affinity.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import time
 from collections.abc import AsyncIterator
+
+from h2o_kv.runtime.cluster.affinity import BEAT_S
 
 
 class EngineReplica:
@@ -31,16 +35,23 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict:
         """The replica's admission state for the router: KV bytes free for new reservations (allowed minus
-        reserved; +inf without a limit), requests waiting and running, the process id and torch's threads."""
+        reserved; +inf without a limit), requests waiting and running, its batch slots, the (length, fingerprint)
+        of its kept sequences (newest first), the process id and torch's threads. `beat` changes every `BEAT_S`:
+        Ray Serve passes a report on only when it differs from the last, and the router must hear from an idle
+        replica too, to tell it from a stuck one."""
         import torch
 
         stats = self.engine.stats()
         allowed = stats["kv_bytes_allowed"]
         free = math.inf if allowed is None else allowed - stats["kv_bytes_reserved"]
-        return {**stats, "free_kv_bytes": free, "pid": os.getpid(), "torch_threads": torch.get_num_threads()}
+        kept = () if self.engine.prefixes is None else self.engine.prefixes.kept  # a snapshot, read without locks
+        return {**stats, "free_kv_bytes": free, "max_batch": self.engine.max_batch, "kept": kept,
+                "beat": int(time.monotonic() // BEAT_S), "pid": os.getpid(),
+                "torch_threads": torch.get_num_threads()}  # fmt: skip
 
-    async def forward(self, method: str, path: str, headers: list, body: bytes) -> AsyncIterator:
-        """Run one HTTP request through the app: yields {"status", "headers"} and then each body chunk."""
+    async def forward(self, method: str, path: str, headers: list, body: bytes, prompt=None) -> AsyncIterator:
+        """Run one HTTP request through the app: yields {"status", "headers"} and then each body chunk. `prompt`
+        (the prompt's fingerprints, affinity.Prompt) is for the router, which reads it from the call."""
         sent: asyncio.Queue = asyncio.Queue()
         gone = asyncio.Event()
         incoming = [{"type": "http.request", "body": body, "more_body": False}]

@@ -109,6 +109,14 @@ def _resolve(name: str) -> str:
     return str(path) if path.is_dir() else name  # else a hub id, in the local hub cache or reachable
 
 
+def load_tokenizer(name: str):
+    """The tokenizer `load_model(name)` loads (a bundled name, a folder, a .gguf file or a hub id), without the
+    model: for processes that only count or build prompts (the cluster's gateway, the load generators)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(_resolve(str(name)))
+
+
 def check_model(name: str) -> None:
     """Refuse, without loading anything, a model name that cannot be opened here (cheap: no conversion).
 

@@ -205,9 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace, command: str) -> int:
     from pathlib import Path
 
-    from transformers import AutoTokenizer
-
-    from h2o_kv.runtime.models import _resolve
+    from h2o_kv.runtime.models import load_tokenizer
     from h2o_kv.runtime.serve.launch import launch_server, served_model
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -215,7 +213,7 @@ def _run(args: argparse.Namespace, command: str) -> int:
         raise ValueError(f"--modes takes reuse and/or fresh, got {args.modes!r}")
     if args.check and "reuse" not in modes:
         raise ValueError("--check replays the reuse run: give --modes reuse")
-    docs = documents(AutoTokenizer.from_pretrained(_resolve(args.model)), args.conversations, args.doc_tokens)
+    docs = documents(load_tokenizer(args.model), args.conversations, args.doc_tokens)
     policy = [*(("--policy", args.policy) if args.policy else ()), *(("--budget", args.budget) if args.budget else ())]
     rows, runs, out = [], {}, Path(args.out)
     for mode in modes:

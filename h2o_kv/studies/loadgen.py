@@ -272,9 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, command: str) -> int:
-    from transformers import AutoTokenizer
 
-    from h2o_kv.runtime.models import _resolve
+    from h2o_kv.runtime.models import load_tokenizer
     from h2o_kv.studies.data import load_corpus
     from h2o_kv.studies.serve_results import write_results
 
@@ -288,7 +287,7 @@ def _run(args: argparse.Namespace, command: str) -> int:
                         ("--max-tokens", args.max_tokens), ("--concurrency", args.concurrency or 1)):  # fmt: skip
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
-    tokenizer = AutoTokenizer.from_pretrained(_resolve(args.model))
+    tokenizer = load_tokenizer(args.model)
     chars = args.requests * args.prompt_tokens * 8
     ids = tokenizer(load_corpus(args.text, max_chars=chars), add_special_tokens=False)["input_ids"]
     prompts = make_prompts(ids, args.requests, args.prompt_tokens)

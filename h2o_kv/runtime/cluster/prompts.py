@@ -28,11 +28,9 @@ ID_RANGE = 1 << 32  # fingerprints pack ids as 32-bit numbers; the replica check
 
 def load_tokenizer(model: str):
     """The tokenizer the replicas load for `model` (a bundled name, a folder, a .gguf file or a hub id)."""
-    from transformers import AutoTokenizer
+    from h2o_kv.runtime import models
 
-    from h2o_kv.runtime.models import _resolve  # the name-to-folder mapping load_model uses
-
-    return AutoTokenizer.from_pretrained(_resolve(model))
+    return models.load_tokenizer(model)
 
 
 def token_ids(tokenizer, path: str, body: bytes) -> list[int] | None:

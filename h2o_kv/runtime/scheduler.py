@@ -16,6 +16,8 @@ import logging
 from collections import deque
 from collections.abc import Callable
 
+import torch
+
 from h2o_kv.cache.kvcache import KVCache
 from h2o_kv.policies import Policy
 from h2o_kv.runtime.admission import SlotCount
@@ -71,8 +73,8 @@ class Scheduler:
         seen = request.prompt_ids + request.token_ids[:-1]
         try:
             self.prefixes.put(request.policy, seen, cache if row is None else cache.fork([row]))
-        except Exception:  # a cache not kept costs a later prefill, never the engine
-            log.exception("%s: its cache was not kept for reuse", request.id)
+        except (torch.OutOfMemoryError, MemoryError):  # no room for the copy: a later prefill, not a failed engine
+            log.warning("%s: its cache was not kept for reuse: out of memory for the copy", request.id)
 
     def trim(self) -> None:
         """Drop kept caches until they fit in what the running requests leave of `kv_memory`."""

@@ -44,7 +44,7 @@ class Prompt:
     digests of its full blocks (computed once, in the gateway); `at(length)` is the fingerprint of a prefix."""
 
     length: int
-    packed: bytes
+    id_bytes: bytes
     digests: list[int]
     memo: dict[int, int] = field(default_factory=dict, repr=False)
 
@@ -54,13 +54,13 @@ class Prompt:
         return cls(len(ids), packed, chain(packed))
 
     def __reduce__(self):  # the memo stays behind: the call carries the prompt on to the replica
-        return Prompt, (self.length, self.packed, self.digests)
+        return Prompt, (self.length, self.id_bytes, self.digests)
 
     def at(self, length: int) -> int:
         """The fingerprint of the first `length` ids (`prefixes.fingerprint` of them), from the chain."""
         if length not in self.memo:
             blocks = length // BLOCK
-            tail = self.packed[4 * BLOCK * blocks : 4 * length]
+            tail = self.id_bytes[4 * BLOCK * blocks : 4 * length]
             self.memo[length] = link(self.digests[blocks], tail) if tail else self.digests[blocks]
         return self.memo[length]
 

@@ -15,7 +15,10 @@ _EXPORTS = {
     "KVCache": "h2o_kv.cache.kvcache",
     "enable": "h2o_kv.cache.attention",
     "is_enabled": "h2o_kv.cache.attention",
+    "kept_map": "h2o_kv.cache.kept",
+    "KeptMap": "h2o_kv.cache.kept",
     "load_model": "h2o_kv.runtime.models",
+    "compress": "h2o_kv.runtime.compress",
     "Engine": "h2o_kv.runtime.engine",
     **{name: "h2o_kv.policies" for name in CLASSES},
 }

@@ -1,4 +1,4 @@
-"""The `h2o-kv` command: generate, demo, setup, and the eval / bench studies."""
+"""The `h2o-kv` command: generate, demo, setup, inspect, and the eval / bench studies."""
 
 from __future__ import annotations
 
@@ -33,7 +33,9 @@ def policy_from_args(args: argparse.Namespace) -> policies.Policy:
         raise ValueError(f"--policy {name} needs --budget (tokens, or a fraction of the prompt such as 0.2)")
     if args.budget <= 0:
         raise ValueError(f"--budget must be > 0 (tokens, or a fraction of the prompt), got {args.budget:g}")
-    return policies.build(name, args.budget, sinks=args.sinks)
+    from h2o_kv.runtime.engine import served  # KVzip's pass is not the engine's: refused before the model loads
+
+    return served(policies.build(name, args.budget, sinks=args.sinks))
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -334,7 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
     from h2o_kv.runtime.serve.main import add_parser as add_serve_parser
     from h2o_kv.studies.bench.cli import add_parser as add_bench_parser
     from h2o_kv.studies.eval.cli import add_parser as add_eval_parser
+    from h2o_kv.studies.inspect.cli import add_parser as add_inspect_parser
 
+    add_inspect_parser(sub)
     add_eval_parser(sub)
     add_bench_parser(sub)
     add_serve_parser(sub)

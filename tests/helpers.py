@@ -16,6 +16,7 @@ POLICIES = {
     "local": (h2o_kv.Local(window=4), 4, {}),
     "streaming": (h2o_kv.StreamingLLM(sinks=2, window=3), 5, {"sinks": 2}),
     "tova": (h2o_kv.TOVA(budget=4), 4, {}),
+    "keydiff": (h2o_kv.KeyDiff(budget=4, recent=1), 4, {"recent": 1}),
 }
 
 
@@ -85,6 +86,7 @@ SMALL = [
     h2o_kv.Local(window=8),
     h2o_kv.StreamingLLM(sinks=2, window=6),
     h2o_kv.TOVA(budget=8),
+    h2o_kv.KeyDiff(budget=8, recent=2),
     h2o_kv.AdaKV(h2o_kv.H2O(heavy=4, recent=4)),
     h2o_kv.AdaKV(h2o_kv.SnapKV(budget=8, window=4, pool=3)),
 ]

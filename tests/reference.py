@@ -16,6 +16,7 @@ class Token:
     pos: int
     score: float = 0.0
     last: float = 0.0
+    distinct: float = 0.0  # KeyDiff: minus the cosine of its key to the anchor, set when a call's eviction starts
 
 
 def choose_victim(rule: str, kept: list[Token], params: dict, next_pos: int = 0) -> Token:
@@ -32,7 +33,22 @@ def choose_victim(rule: str, kept: list[Token], params: dict, next_pos: int = 0)
         return min(older, key=lambda tok: (tok.score, tok.pos))
     if rule == "tova":
         return min(oldest_first, key=lambda tok: (tok.last, tok.pos))
+    if rule == "keydiff":
+        older = [tok for tok in oldest_first if tok.pos < next_pos - params["recent"]]
+        return min(older, key=lambda tok: (tok.distinct, tok.pos))
+    if rule == "kvzip":  # the newest `recent` after the context are kept; the context itself is never protected
+        protected = [
+            tok for tok in oldest_first if tok.pos >= next_pos - params["recent"] and tok.pos >= params["context"]
+        ]
+        return min((tok for tok in oldest_first if tok not in protected), key=lambda tok: (tok.score, tok.pos))
     raise ValueError(rule)
+
+
+def rank_key(rule: str, tok: Token, params: dict, next_pos: int) -> tuple:
+    """What a victim is ranked by across heads (AdaKV): its priority, then its age."""
+    if rule in ("h2o", "snapkv", "kvzip"):
+        return (tok.score / (next_pos - tok.pos) if params.get("normalize") else tok.score, tok.pos)
+    return (tok.last, tok.pos) if rule == "tova" else (tok.pos,)
 
 
 def pooled_victim_head(rule: str, kept: list[list[Token]], params: dict, next_pos: int) -> int:
@@ -43,12 +59,17 @@ def pooled_victim_head(rule: str, kept: list[list[Token]], params: dict, next_po
             tok = choose_victim(rule, tokens, params, next_pos)
         except (ValueError, StopIteration):  # nothing this head may lose (all protected)
             continue
-        if rule in ("h2o", "snapkv"):
-            key = (tok.score / (next_pos - tok.pos) if params.get("normalize") else tok.score, tok.pos, h)
-        else:
-            key = (tok.last, tok.pos, h) if rule == "tova" else (tok.pos, h)
+        key = (*rank_key(rule, tok, params, next_pos), h)
         best = min(best, key) if best is not None else key
     return best[-1]
+
+
+def set_distinct(tokens: list[Token], keys: torch.Tensor) -> None:
+    """KeyDiff: each token's -cos(key, anchor), the anchor the mean of the held keys scaled to unit length."""
+    units = [keys[tok.pos] / max(float(keys[tok.pos].norm()), 1e-12) for tok in tokens]
+    anchor = sum(units) / len(units)
+    for tok, unit in zip(tokens, units):
+        tok.distinct = -float(unit @ anchor) / max(float(anchor.norm()), 1e-12)
 
 
 def reference_layer(
@@ -60,10 +81,13 @@ def reference_layer(
     capacity: int,
     params: dict,
     window: int | None = None,
+    kept: list[list[Token]] | None = None,
+    start: int = 0,
 ) -> tuple[torch.Tensor, list[list[int]]]:
-    """One sequence: q [Hq, T, D], k/v [H, T, D], fed in calls of `chunks` tokens.
+    """One sequence: q [Hq, T, D], k/v [H, T, D], fed in calls of `chunks` tokens from position `start` on, with
+    the tokens `kept` per KV head before them (none by default).
 
-    Returns the attention output [T, Hq, D] and the kept positions per KV head at the end.
+    Returns the attention output [T, Hq, D] (zero before `start`) and the kept positions per KV head at the end.
     """
     q, k, v = q.double(), k.double(), v.double()
     q_heads, total, dim = q.shape
@@ -71,8 +95,7 @@ def reference_layer(
     group = q_heads // kv_heads
     scale = dim**-0.5
     out = torch.zeros(total, q_heads, dim, dtype=torch.float64)
-    kept: list[list[Token]] = [[] for _ in range(kv_heads)]
-    start = 0
+    kept = [[] for _ in range(kv_heads)] if kept is None else kept
     observe, pool, decay = params.get("observe"), params.get("pool", 1), params.get("decay", 1.0)
     for size in chunks:
         new = range(start, start + size)
@@ -119,6 +142,8 @@ def reference_layer(
                 tok.score += pooled[h][tok.pos]
             if window is not None:
                 kept[h] = [tok for tok in kept[h] if tok.pos > new[-1] + 1 - window]
+            if rule == "keydiff":  # the anchor of the tokens held now, before any of this call's evictions
+                set_distinct(kept[h], k[h])
             while not params.get("pooled") and len(kept[h]) > capacity:
                 kept[h].remove(choose_victim(rule, kept[h], params, next_pos=new[-1] + 1))
         while params.get("pooled") and sum(map(len, kept)) > capacity * kv_heads:  # AdaKV: the layer's lowest
@@ -126,3 +151,67 @@ def reference_layer(
             kept[h].remove(choose_victim(rule, kept[h], params, next_pos=new[-1] + 1))
         start += size
     return out, [sorted(tok.pos for tok in head) for head in kept]
+
+
+def reference_reconstruction(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pieces: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    capacity: int,
+    params: dict,
+    window: int | None = None,
+) -> tuple[torch.Tensor, list[torch.Tensor], list[list[Token]]]:
+    """KVzip's pass for one sequence (docs/eviction.md): the context q [Hq, L, D], k/v [H, L, D] held whole, then
+    each piece (q [Hq, m, D], k/v [H, m, D], at positions L .. L + m - 1) attending to the context and causally to
+    itself; a context token's score is the most probability any piece's query of its group gave it. Then each KV
+    head keeps its `capacity` best (the sliding window first). Returns the context's outputs [L, Hq, D], each
+    piece's [m, Hq, D], and the kept tokens per KV head (with their scores, for `reference_layer(kept=...)`)."""
+    q, k, v = q.double(), k.double(), v.double()
+    q_heads, length, dim = q.shape
+    kv_heads = k.shape[0]
+    group = q_heads // kv_heads
+    scale = dim**-0.5
+
+    def attend(query, keys, values):
+        logits = [float(query @ key) * scale for key in keys]
+        top = max(logits)
+        weights = [math.exp(x - top) for x in logits]
+        probs = [w / sum(weights) for w in weights]
+        return sum(p * value for p, value in zip(probs, values)), probs
+
+    def seen(t, pos):
+        return pos <= t and (window is None or pos > t - window)
+
+    context_out = torch.zeros(length, q_heads, dim, dtype=torch.float64)
+    peak = [[0.0] * length for _ in range(kv_heads)]
+    for head in range(q_heads):
+        h = head // group
+        for t in range(length):
+            visible = [j for j in range(length) if seen(t, j)]
+            context_out[t, head], _ = attend(q[head, t], [k[h, j] for j in visible], [v[h, j] for j in visible])
+    piece_outs = []
+    for pq, pk, pv in pieces:
+        pq, pk, pv = pq.double(), pk.double(), pv.double()
+        out = torch.zeros(pq.shape[1], q_heads, dim, dtype=torch.float64)
+        for head in range(q_heads):
+            h = head // group
+            for i in range(pq.shape[1]):
+                t = length + i
+                old = [j for j in range(length) if seen(t, j)]
+                new = [j for j in range(i + 1) if seen(t, length + j)]
+                keys = [k[h, j] for j in old] + [pk[h, j] for j in new]
+                values = [v[h, j] for j in old] + [pv[h, j] for j in new]
+                out[i, head], probs = attend(pq[head, i], keys, values)
+                for j, p in zip(old, probs):
+                    peak[h][j] = max(peak[h][j], p)
+        piece_outs.append(out)
+    kept = [[Token(j, score=peak[h][j]) for j in range(length) if window is None or j > length - window]
+            for h in range(kv_heads)]  # fmt: skip
+    for h in range(kv_heads):
+        while not params.get("pooled") and len(kept[h]) > capacity:
+            kept[h].remove(choose_victim("kvzip", kept[h], params, next_pos=length))
+    while params.get("pooled") and sum(map(len, kept)) > capacity * kv_heads:
+        h = pooled_victim_head("kvzip", kept, params, next_pos=length)
+        kept[h].remove(choose_victim("kvzip", kept[h], params, next_pos=length))
+    return context_out, piece_outs, kept

@@ -34,15 +34,15 @@ TILES = {"cuda": dict(block=128, num_warps=4, num_stages=3, per_sm=4, merge_bloc
 
 
 @triton.jit
-def _partial(Q, K, V, KS, VS, POS, LOGITS, M, L, ACC, NK, NV, VAC, NPOS,
+def _partial(Q, K, V, KS, VS, POS, LOGITS, M, L, ACC, NK, NV, VAC, NPOS, NKS, NVS,
              sqb, sqh, skb, skh, sks, svb, svh, svs, ssb, ssh, spb, sph, snkb, snkh, snvb, snvh, sacb, sach,
              heads, slots, split_size, scaling,
              G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, NSPLIT: tl.constexpr,
              BLOCK: tl.constexpr, HAS_POS: tl.constexpr, INT8: tl.constexpr, IEEE: tl.constexpr,
              WRITE: tl.constexpr):  # fmt: skip
     """One split of a row's slots: running max, sum and weighted values, and the scaled logits. With WRITE, the new
-    token (key NK, value NV, position NPOS) goes into the row's vacant slot VAC: the split holding that slot
-    stores it, and every tile reads it in place of what the slot held."""
+    token (key NK, value NV, position NPOS; int8 with scales NKS, NVS [B * H]) goes into the row's vacant slot VAC:
+    the split holding that slot stores it, and every tile reads it in place of what the slot held."""
     bh = tl.program_id(0)
     b, h = bh // heads, bh % heads
     start = tl.program_id(1) * split_size
@@ -60,6 +60,9 @@ def _partial(Q, K, V, KS, VS, POS, LOGITS, M, L, ACC, NK, NV, VAC, NPOS,
             tl.store(K + b * skb + h * skh + vac * sks + d, new_k)
             tl.store(V + b * svb + h * svh + vac * svs + dv, new_v)
             tl.store(POS + b * spb + h * sph + vac, tl.load(NPOS + b))
+            if INT8:
+                tl.store(KS + b * ssb + h * ssh + vac, tl.load(NKS + bh))
+                tl.store(VS + b * ssb + h * ssh + vac, tl.load(NVS + bh))
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     total = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, DV], tl.float32)
@@ -75,10 +78,16 @@ def _partial(Q, K, V, KS, VS, POS, LOGITS, M, L, ACC, NK, NV, VAC, NPOS,
             qk = tl.dot(q, tl.trans(k.to(q.dtype)))
         logit = qk * scaling
         if INT8:
-            logit = logit * tl.load(KS + b * ssb + h * ssh + s, mask=inside, other=0.0)[None, :]
+            key_scale = tl.load(KS + b * ssb + h * ssh + s, mask=inside, other=0.0)
+            if WRITE:
+                key_scale = tl.where(s == vac, tl.load(NKS + bh), key_scale)
+            logit = logit * key_scale[None, :]
         valid = inside
         if HAS_POS:
-            valid = valid & (tl.load(POS + b * spb + h * sph + s, mask=inside, other=-1) >= 0)
+            held = tl.load(POS + b * spb + h * sph + s, mask=inside, other=-1) >= 0
+            if WRITE:  # the vacant slot holds the new token
+                held = held | (s == vac)
+            valid = valid & held
         logit = tl.where(valid[None, :], logit, float("-inf"))
         tl.store(LOGITS + ((bh * G + g) * slots)[:, None] + s[None, :], logit, mask=grows[:, None] & inside[None, :])
         m_new = tl.maximum(m, tl.max(logit, 1))
@@ -90,7 +99,10 @@ def _partial(Q, K, V, KS, VS, POS, LOGITS, M, L, ACC, NK, NV, VAC, NPOS,
         if WRITE:
             v = tl.where((s == vac)[:, None], new_v[None, :], v)
         if INT8:
-            p = p * tl.load(VS + b * ssb + h * ssh + s, mask=inside, other=0.0)[None, :]
+            value_scale = tl.load(VS + b * ssb + h * ssh + s, mask=inside, other=0.0)
+            if WRITE:
+                value_scale = tl.where(s == vac, tl.load(NVS + bh), value_scale)
+            p = p * value_scale[None, :]
         if IEEE:
             pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
         else:
@@ -115,15 +127,16 @@ def _oldest_lowest(prio, pos, slot):
 
 
 @triton.jit
-def _merge(M, L, ACC, LOGITS, OUT, SCORE, LAST, POS, NEXT, RECENT, CP, CPOS, CSLOT,
+def _merge(M, L, ACC, LOGITS, OUT, SCORE, LAST, POS, NEXT, RECENT, CP, CPOS, CSLOT, CCOUNT, CEMPTY,
            sob, soh, scb, sch, slb, slh, spb, sph,
            heads, slots, tiles,
            G: tl.constexpr, G_PAD: tl.constexpr, DV: tl.constexpr, NSPLIT: tl.constexpr, BLOCK: tl.constexpr,
-           WANT_SCORES: tl.constexpr, WANT_LAST: tl.constexpr, EVICT: tl.constexpr):  # fmt: skip
+           WANT_SCORES: tl.constexpr, WANT_LAST: tl.constexpr, EVICT: tl.constexpr, HOLES: tl.constexpr):  # fmt: skip
     """One program per row and tile of BLOCK slots (many short programs: the merge is latency-bound). Each finds
     its row's log-sum-exp from the splits' partial sums; tile 0 also merges the output. With EVICT, the tile adds
     its probabilities to the scores in place and leaves its eviction candidate (the oldest of its lowest
-    priorities: the score, +inf for the protected newest positions) for `_pick`."""
+    priorities: the score, +inf for the protected newest positions and, with HOLES, for empty slots) for `_pick`;
+    with HOLES also its count of kept tokens (CCOUNT) and its first empty slot (CEMPTY)."""
     bh = tl.program_id(0)
     b, h, tile = bh // heads, bh % heads, tl.program_id(1)
     g = tl.arange(0, G_PAD)
@@ -157,8 +170,12 @@ def _merge(M, L, ACC, LOGITS, OUT, SCORE, LAST, POS, NEXT, RECENT, CP, CPOS, CSL
             tl.store(SCORE + b * scb + h * sch + s, score, mask=inside)
             p = tl.load(POS + b * spb + h * sph + s, mask=inside, other=NEVER)
             protected = p >= tl.load(NEXT + b) - tl.load(RECENT + b)
-            prio = tl.where(protected | ~inside, float("inf"), score)
+            prio = tl.where(protected | ~inside | (p < 0), float("inf"), score)
             low, oldest, slot = _oldest_lowest(prio, p, s.to(tl.int64))
+            if HOLES:  # a row within its capacity frees an empty slot instead (`_pick`)
+                empty = inside & (p < 0)
+                tl.store(CCOUNT + bh * tiles + tile, tl.sum((inside & ~empty).to(tl.int64), 0))
+                tl.store(CEMPTY + bh * tiles + tile, tl.min(tl.where(empty, s.to(tl.int64), NEVER), 0))
             tl.store(CP + bh * tiles + tile, low)
             tl.store(CPOS + bh * tiles + tile, oldest)
             tl.store(CSLOT + bh * tiles + tile, slot)
@@ -170,9 +187,11 @@ def _merge(M, L, ACC, LOGITS, OUT, SCORE, LAST, POS, NEXT, RECENT, CP, CPOS, CSL
 
 
 @triton.jit
-def _pick(CP, CPOS, CSLOT, POS, SCORE, VACANT, spb, sph, scb, sch, svb, svh, heads, tiles, T_PAD: tl.constexpr):
+def _pick(CP, CPOS, CSLOT, CCOUNT, CEMPTY, CAP, POS, SCORE, VACANT, spb, sph, scb, sch, svb, svh, heads, tiles,
+          T_PAD: tl.constexpr, HOLES: tl.constexpr):  # fmt: skip
     """Each row's victim from its tiles' candidates (the oldest of the lowest priorities, as `Steady._evict_one`):
-    its slot emptied (position -1, score 0) and kept in VACANT, where the next step writes."""
+    its slot emptied (position -1, score 0) and kept in VACANT, where the next step writes. With HOLES, a row
+    holding no more tokens than its capacity CAP [B] frees its first empty slot instead."""
     bh = tl.program_id(0)
     b, h = bh // heads, bh % heads
     t = tl.arange(0, T_PAD)
@@ -181,6 +200,11 @@ def _pick(CP, CPOS, CSLOT, POS, SCORE, VACANT, spb, sph, scb, sch, svb, svh, hea
     p = tl.load(CPOS + bh * tiles + t, mask=inside, other=NEVER)
     slots = tl.load(CSLOT + bh * tiles + t, mask=inside, other=NEVER)
     _, _, slot = _oldest_lowest(prio, p, slots)
+    if HOLES:
+        held = tl.sum(tl.load(CCOUNT + bh * tiles + t, mask=inside, other=0), 0)
+        first_empty = tl.min(tl.load(CEMPTY + bh * tiles + t, mask=inside, other=NEVER), 0)
+        if (held <= tl.load(CAP + b)) & (first_empty < NEVER):
+            slot = first_empty
     tl.store(POS + b * spb + h * sph + slot, -1)
     tl.store(SCORE + b * scb + h * sch + slot, 0.0)
     tl.store(VACANT + b * svb + h * svh, slot)
@@ -236,8 +260,9 @@ def _tiles(device: torch.device) -> dict:
 
 def _partials(q, keys, values, pos, key_scale, value_scale, scaling, write=None):
     """The first kernel's launch: per split, the running max, sum and weighted values, and every scaled logit.
-    `write` = (new keys [B, H, 1, D], new values, vacant slots [B, H, 1], positions [B], the layer's `pos`): the new
-    token's write into the vacant slots, fused (`pos` None then: every slot holds a token)."""
+    `write` = (new keys [B, H, 1, D], new values, vacant slots [B, H, 1], positions [B], the new int8 keys' and
+    values' scales [B * H] or None, the layer's `pos`): the new token's write into the vacant slots, fused (`pos`, the
+    mask, is None where every slot holds a token, else the layer's `pos`)."""
     batch, q_heads, _, dim = q.shape
     heads, slots, dv = keys.shape[1], keys.shape[2], values.shape[-1]
     group = q_heads // heads
@@ -257,13 +282,14 @@ def _partials(q, keys, values, pos, key_scale, value_scale, scaling, write=None)
     vs = value_scale.contiguous() if int8 else m
     p = pos.contiguous() if pos is not None else m
     sstr = (ks.stride(0), ks.stride(1)) if int8 else (0, 0)
-    nk, nv, vac, npos, wstr = m, m, m, m, (0,) * 6
+    nk, nv, vac, npos, nks, nvs, wstr = m, m, m, m, m, m, (0,) * 6
     if write is not None:
-        nk, nv, vac, npos, p = write
+        nk, nv, vac, npos, nks, nvs, p = write
+        nks, nvs = (m, m) if nks is None else (nks, nvs)
         wstr = (nk.stride(0), nk.stride(1), nv.stride(0), nv.stride(1), vac.stride(0), vac.stride(1))
     pstr = (p.stride(0), p.stride(1)) if p is not m else (0, 0)
     _partial[(batch * heads, nsplit)](
-        q2, keys, values, ks, vs, p, logits, m, total, acc, nk, nv, vac, npos,
+        q2, keys, values, ks, vs, p, logits, m, total, acc, nk, nv, vac, npos, nks, nvs,
         q2.stride(0), q2.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), *sstr, *pstr, *wstr,
         heads, slots, split_size, scaling, G=group, G_PAD=g_pad, D=dim, DV=dv, NSPLIT=nsplit,
@@ -300,10 +326,10 @@ def _decode_op(
     last = torch.empty(batch, heads, slots if want_last else 0, **f32)
     grid, block, tiles = _merge_grid(batch, heads, slots, q.device)
     none = stats[0]
-    _merge[grid](*stats, out, scores, last, none, none, none, none, none, none,
+    _merge[grid](*stats, out, scores, last, none, none, none, none, none, none, none, none,
                  out.stride(0), out.stride(1), scores.stride(0), scores.stride(1), last.stride(0), last.stride(1), 0, 0,
                  heads, slots, tiles, **meta, BLOCK=block, WANT_SCORES=want_scores, WANT_LAST=want_last, EVICT=False,
-                 num_warps=4)  # fmt: skip
+                 HOLES=False, num_warps=4)  # fmt: skip
     return out.view(batch, 1, q_heads, dv), scores, last
 
 
@@ -316,7 +342,9 @@ def _(q, keys, values, pos, key_scale, value_scale, scaling, want_scores, want_l
     return out, scores, q.new_empty(batch, heads, slots if want_last else 0, dtype=torch.float32)
 
 
-@torch.library.custom_op("h2o_kv::triton_decode_evict", mutates_args=("keys", "values", "pos", "score", "vacant"))
+@torch.library.custom_op(
+    "h2o_kv::triton_decode_evict", mutates_args=("keys", "values", "pos", "score", "vacant", "key_scale", "value_scale")
+)
 def decode_evict(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -332,42 +360,56 @@ def decode_evict(
     new_key: torch.Tensor | None = None,
     new_value: torch.Tensor | None = None,
     new_pos: torch.Tensor | None = None,
+    new_key_scale: torch.Tensor | None = None,
+    new_value_scale: torch.Tensor | None = None,
+    capacity: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A full layer's steady decode step in three launches: the attention output [B, 1, Hq, Dv], and in place the
     scores `score` [B, H, S] grown by this step's probabilities (summed over the KV group), each row's victim freed
     (`pos` -1, score 0) and its slot in `vacant` [B, H, 1]. The victim is the oldest of the row's lowest
     priorities, a priority being the score, or +inf for positions at or after `next_pos` [B, 1, 1] minus `recent`
-    [B, 1, 1] (`Policy.protected_recent`: H2O, SnapKV). Every slot must hold a token (`Steady`'s packed layer),
-    the new one written already, or given as `new_key` / `new_value` [B, H, 1, D] in the storage's dtype (float
-    storage) at positions `new_pos` [B, 1]: the first launch then writes it into the `vacant` slots (whose scores
-    the last eviction left at zero), in place of the separate scatters."""
+    [B, 1, 1] (`Policy.protected_recent`: H2O, SnapKV). Without `capacity` every slot must hold a token (`Steady`'s
+    packed layer); with each row's `capacity` (B numbers: a batch of different budgets) empty slots (`pos` -1) are
+    masked, and a row holding no more than its capacity frees its first empty slot instead, as `Steady._evict_one`.
+    The new token is written already, or given as `new_key` / `new_value` [B, H, 1, D] in the storage's dtype (int8
+    with `new_key_scale` / `new_value_scale` [B, H, 1]) at positions `new_pos` [B, 1]: the first launch then
+    writes it into the `vacant` slots (whose scores the last eviction left at zero), in place of the scatters."""
     batch, q_heads = q.shape[:2]
     heads, slots, dv = keys.shape[1], keys.shape[2], values.shape[-1]
     write = None
     if new_key is not None:
-        if key_scale is not None or new_key.dtype != keys.dtype or new_value.dtype != values.dtype:
-            raise ValueError("decode_evict writes a new token only into float storage of its own dtype")
+        int8 = key_scale is not None
+        if new_key.dtype != keys.dtype or new_value.dtype != values.dtype or int8 != (new_key_scale is not None):
+            raise ValueError("decode_evict writes a new token in the storage's dtype, int8 with its scales")
+        if int8 and not (key_scale.is_contiguous() and value_scale.is_contiguous()):
+            raise ValueError("decode_evict writes int8 scales in place: contiguous key_scale and value_scale")
         last_dim = lambda t: t if t.stride(-1) == 1 else t.contiguous()  # noqa: E731 (the kernel steps by 1)
-        write = (last_dim(new_key), last_dim(new_value), vacant, new_pos.reshape(batch).contiguous(), pos)
-    stats, meta = _partials(q, keys, values, None, key_scale, value_scale, scaling, write)
+        scales = [
+            None if t is None else t.reshape(batch * heads).contiguous() for t in (new_key_scale, new_value_scale)
+        ]
+        write = (last_dim(new_key), last_dim(new_value), vacant, new_pos.reshape(batch).contiguous(), *scales, pos)
+    holes = capacity is not None
+    stats, meta = _partials(q, keys, values, pos if holes else None, key_scale, value_scale, scaling, write)
     out = torch.empty(batch, q_heads, dv, dtype=q.dtype, device=q.device)
     grid, block, tiles = _merge_grid(batch, heads, slots, q.device)
     cand_prio = torch.empty(batch * heads * tiles, dtype=torch.float32, device=q.device)
-    cand_pos, cand_slot = torch.empty(2, batch * heads * tiles, dtype=torch.int64, device=q.device)
+    cand = torch.empty(4 if holes else 2, batch * heads * tiles, dtype=torch.int64, device=q.device)
+    cand_pos, cand_slot, count, empty = cand[0], cand[1], cand[-2], cand[-1]  # per tile; the last two with holes
     next_pos, recent = next_pos.reshape(batch).contiguous(), recent.expand(batch, 1, 1).reshape(batch).contiguous()
-    _merge[grid](*stats, out, score, score, pos, next_pos, recent, cand_prio, cand_pos, cand_slot,
+    cap = capacity.reshape(batch).contiguous() if holes else next_pos
+    _merge[grid](*stats, out, score, score, pos, next_pos, recent, cand_prio, cand_pos, cand_slot, count, empty,
                  out.stride(0), out.stride(1), score.stride(0), score.stride(1), 0, 0, pos.stride(0), pos.stride(1),
                  heads, slots, tiles, **meta, BLOCK=block, WANT_SCORES=False, WANT_LAST=False, EVICT=True,
-                 num_warps=4)  # fmt: skip
-    _pick[(batch * heads,)](cand_prio, cand_pos, cand_slot, pos, score, vacant, pos.stride(0), pos.stride(1),
-                            score.stride(0), score.stride(1), vacant.stride(0), vacant.stride(1), heads, tiles,
-                            T_PAD=max(16, triton.next_power_of_2(tiles)), num_warps=1)  # fmt: skip
+                 HOLES=holes, num_warps=4)  # fmt: skip
+    _pick[(batch * heads,)](cand_prio, cand_pos, cand_slot, count, empty, cap, pos, score, vacant, pos.stride(0),
+                            pos.stride(1), score.stride(0), score.stride(1), vacant.stride(0), vacant.stride(1), heads,
+                            tiles, T_PAD=max(16, triton.next_power_of_2(tiles)), HOLES=holes, num_warps=1)  # fmt: skip
     return out.view(batch, 1, q_heads, dv)
 
 
 @decode_evict.register_fake
 def _(q, keys, values, pos, score, vacant, next_pos, recent, scaling, key_scale=None, value_scale=None, new_key=None,
-      new_value=None, new_pos=None):  # fmt: skip
+      new_value=None, new_pos=None, new_key_scale=None, new_value_scale=None, capacity=None):  # fmt: skip
     return q.new_empty(q.shape[0], 1, q.shape[1], values.shape[-1])
 
 

@@ -4,9 +4,10 @@
 the h2o-kv attention call that follows (see attention.py); the layers do the work (layer.py).
 
 What a serving runtime may use, and all it may use (it reads no layer's fields): sequences in and out of a
-running batch (`write_rows`, `free_rows`), a copy of some sequences (`fork`), whether the next decode step has
-fixed shapes (`steady`) and the bookkeeping of a replayed one (`note_replayed_step`), and what a sequence holds
-(`row_stats`, `nbytes`, `kept_per_head`).
+running batch (`write_rows`, `free_rows`; rows kept in place: `reserve_rows`, `release_rows`), a copy of some
+sequences (`fork`), whether the next decode step has fixed shapes (`steady`) and the bookkeeping of a replayed
+one (`note_replayed_step`), and what a sequence holds (`row_stats`, `nbytes`, `kept_per_head`, `kept_map`).
+KVzip's context-reconstruction pass is `reconstruction()` (reconstruct.py).
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from transformers.cache_utils import Cache
 from h2o_kv.backends import native
 from h2o_kv.cache.attention import hand_off, take_forward_mark
 from h2o_kv.cache.formats import check_kv_dtype
+from h2o_kv.cache.kept import KeptMap, kept_map
 from h2o_kv.cache.layer import KVLayer, Mode, Settings
 from h2o_kv.cache.pooled import PooledKVLayer
+from h2o_kv.cache.reconstruct import Reconstruction
 from h2o_kv.cache.settings import capturing
 from h2o_kv.policies import MAX_TOKENS, Policy
 
@@ -134,15 +137,47 @@ class KVCache(Cache):
         gone = set(rows)
         self.select_rows([row for row in range(self.batch_size) if row not in gone])
 
-    def write_rows(self, other: KVCache) -> range:
+    def write_rows(self, other: KVCache, into: int | None = None) -> range:
         """Take in the sequences of `other` (same policy and mode, same model, prompt seen) after this cache's;
-        returns the rows they now hold. `other` is spent: its storage now belongs to this cache."""
-        first = self.batch_size
-        self.append_rows(other)
-        return range(first, self.batch_size)
+        returns the rows they now hold. `other` is spent: its storage now belongs to this cache. `into`: the
+        free row (`reserve_rows`, `release_rows`) that `other`'s one sequence is written into, in place: no other
+        row's storage moves (unless the storage is narrower than the new row's capacity: then it grows once)."""
+        if into is None:
+            first = self.batch_size
+            self.append_rows(other)
+            return range(first, self.batch_size)
+        self._check_joins(other)
+        for mine, theirs in zip(self.layers, other.layers):
+            mine.write_row(into, theirs)
+        return range(into, into + 1)
+
+    def reserve_rows(self, rows: int) -> None:
+        """Hold `rows` sequences, the new rows free (`write_rows(other, into=row)` fills one): a copy of the storage
+        when it grows. Only for a drop-mode cache with a bounded policy (`rows_in_place`)."""
+        if not self.rows_in_place:
+            raise ValueError(f"free rows need a drop-mode cache with a bounded policy, not {self.policy.describe()}")
+        for layer in self.layers:
+            layer.reserve_rows(rows)
+
+    def release_rows(self, rows: list[int]) -> None:
+        """Let these sequences go and keep their rows, free, in place: every other row keeps its row and storage
+        (`free_rows` instead packs the survivors). A free row's decode step keeps at most one token per KV head."""
+        for layer in self.layers:
+            layer.clear_rows(rows)
+
+    @property
+    def rows_in_place(self) -> bool:
+        """Whether rows can be kept free in place (`reserve_rows`, `release_rows`): a drop-mode cache with a bounded
+        policy (a free row then holds at most one token per KV head, whatever it is fed)."""
+        return self.mode == "drop" and self.policy.capacity(torch.ones(1, dtype=torch.long)) is not None
 
     def append_rows(self, other: KVCache) -> None:
         """Move the sequences of `other` (same policy and mode, same model, prompt seen) after this cache's."""
+        self._check_joins(other)
+        for mine, theirs in zip(self.layers, other.layers):
+            mine.append_rows(theirs)
+
+    def _check_joins(self, other: KVCache) -> None:
         if (other.policy, other.mode, other.settings.kv_dtype) != (self.policy, self.mode, self.settings.kv_dtype):
             raise ValueError(
                 f"can only join caches with the same policy, mode and kv_dtype: {self.policy.describe()} ({self.mode}, "
@@ -150,8 +185,6 @@ class KVCache(Cache):
             )
         if len(other.layers) != len(self.layers):
             raise ValueError(f"cannot join a cache of {len(other.layers)} layers to one of {len(self.layers)}")
-        for mine, theirs in zip(self.layers, other.layers):
-            mine.append_rows(theirs)
 
     def fork(self, rows: list[int] | None = None) -> KVCache:
         """A new cache holding copies of these sequences (all by default): their kept slots, positions, scores and
@@ -172,12 +205,31 @@ class KVCache(Cache):
         twin.layers = [layer.forked(index, twin.settings) for layer in self.layers]
         return twin
 
+    def end_prompt(self) -> None:
+        """The prompt is complete: a fraction budget keeps what it gave, and a later multi-token call (a question
+        after a compressed context) continues the sequence instead of being refused as the prompt's second part."""
+        for layer in self.layers:
+            if layer.is_initialized and layer.prompt_len is not None:
+                layer.decoded = True
+
+    def reconstruction(self) -> Reconstruction:
+        """KVzip's context-reconstruction pass over this empty cache, a context manager (cache/reconstruct.py;
+        `h2o_kv.compress` drives it): calls inside hold the context whole, calls inside its `scoring()` score it and
+        are dropped, and leaving it keeps each (sequence, KV head)'s capacity of best-scored tokens."""
+        return Reconstruction(self.settings, self.layers)
+
     # -- the steady decode step (runtime/graphs.py) ------------------------------------------------------
     @property
     def steady(self) -> bool:
         """Whether the next decode step has fixed shapes and touches the same memory as the one after it, so
         that it can be captured as a CUDA graph or compiled once (`KVLayer.steady`)."""
         return bool(self.layers) and all(layer.steady() for layer in self.layers)
+
+    def steady_key(self) -> tuple | None:
+        """None unless `steady`; then what a captured step depends on (each layer's `steady_key`: its route and the
+        addresses it reads and writes): while it stays equal, a step captured with it may be replayed. Rows joined
+        into free rows or freed in place (`write_rows(into=)`, `release_rows`) keep it."""
+        return tuple(layer.steady_key() for layer in self.layers) if self.steady else None
 
     def note_replayed_step(self) -> None:
         """A captured decode step was replayed: the tensors advanced on the device, and the Python-side count of
@@ -196,6 +248,10 @@ class KVCache(Cache):
             kv_bytes=self.nbytes() // self.batch_size,
             kv_kept_bytes=sum(layer.kept_nbytes(row) for layer in self.layers),
         )
+
+    def kept_map(self, row: int = 0) -> KeptMap:
+        """Which (layer, KV head) rows hold each position of sequence `row`, with their scores (kept.py)."""
+        return kept_map(self, row)
 
     @property
     def seen_tokens(self) -> int:

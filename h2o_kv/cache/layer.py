@@ -20,12 +20,13 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from h2o_kv.cache.attend import compute_dtype
-from h2o_kv.cache.quant import quantize
+from h2o_kv.cache.quant import dequantize, quantize
 from h2o_kv.cache.routes import Call, Slots, attend, uses_native, widens
 from h2o_kv.cache.rows import GROWTH, Rows
 from h2o_kv.cache.settings import Mode, PaddingMemo, Settings
 from h2o_kv.cache.steady import Steady
 from h2o_kv.policies import SlotState, short_fraction
+from h2o_kv.policies.base import PromptMemo
 
 __all__ = ["KVLayer", "Mode", "PaddingMemo", "Settings", "GROWTH"]
 
@@ -54,7 +55,7 @@ class KVLayer(Rows, Steady, CacheLayerMixin):
         self.policy = settings.policy  # this layer's own (LayerBudgets), fixed with the budget on the first call
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.seen = 0  # columns seen, padding included: what transformers counts positions from
-        self.memo: dict = {}  # per-prompt values (`per_prompt`) of this `prompt_len`: emptied when it changes
+        self.memo = PromptMemo()  # per-prompt values (`per_prompt`) of this `prompt_len`: emptied when it changes
 
     # -- transformers' layer interface ---------------------------------------------------------------
     @property
@@ -134,6 +135,17 @@ class KVLayer(Rows, Steady, CacheLayerMixin):
         """Attention output [B, n, Hq, D] for the pending tokens; the cache is updated and evicted.
         `config` (the model's) lets a per-layer policy size this layer's budget on the first call."""
         assert self.pending is not None
+        recon = self.settings.reconstruction  # KVzip's pass (reconstruct.py): a scoring call is its own
+        if recon is None and self.prompt_len is None and self.settings.policy.reconstructs:
+            self.pending = None
+            raise ValueError(
+                f"{self.settings.policy.describe()} ranks a context by reconstructing it: compress the context with "
+                "h2o_kv.compress(model, input_ids, policy, tokenizer=tokenizer), then generate from that cache"
+            )
+        if recon is not None and (out := recon.attention(self, query, attention_mask, scaling=scaling, window=window,
+                                                         softcap=softcap)) is not None:  # fmt: skip
+            return out
+        held = recon is not None  # the pass's context: kept whole, unscored, ranked when the pass ends
         new_keys, new_values = self.pending
         self.pending = None
         batch, n = query.shape[0], query.shape[2]
@@ -173,16 +185,17 @@ class KVLayer(Rows, Steady, CacheLayerMixin):
             observed = policy.score_window if stop - start > 1 else None
             new_from = self._insert(new_keys[:, :, start:stop], new_values[:, :, start:stop], chunk_pos)
             score_from = 0 if observed is None else max(0, stop - start - observed)
-            call = Call(scaling, window, softcap, has_padding, new_from, want_scores=policy.needs_scores,
-                        want_last=policy.needs_last, score_from=score_from)  # fmt: skip
+            call = Call(scaling, window, softcap, has_padding, new_from, want_scores=policy.needs_scores and not held,
+                        want_last=policy.needs_last and not held, score_from=score_from)  # fmt: skip
             out, scores, last = self._attend(query[:, :, start:stop], chunk_pos, call)
             if scores is not None:
                 self._add_scores(scores, stop - start, observed=observed is not None, new_from=new_from)
             if last is not None:
                 self.last = last
-            self._evict(
-                self.next_pos if real_before is None else first_pos + real_before[:, stop - 1], window, stop - start
-            )
+            if not held:
+                self._evict(
+                    self.next_pos if real_before is None else first_pos + real_before[:, stop - 1], window, stop - start
+                )
             outputs.append(out)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
@@ -204,7 +217,7 @@ class KVLayer(Rows, Steady, CacheLayerMixin):
         (self.score if width == self.score.shape[-1] else self.score[..., :width]).add_(scores)
 
     def _fix_budget(self, prompt_len: torch.Tensor) -> None:
-        self.prompt_len, self.memo = prompt_len.view(-1, 1, 1), {}
+        self.prompt_len, self.memo = prompt_len.view(-1, 1, 1), PromptMemo()
         capacity = self.policy.capacity(prompt_len)
         if capacity is not None:
             self.capacity = capacity.clamp(min=1).view(-1, 1).to(self.device)
@@ -334,9 +347,13 @@ class KVLayer(Rows, Steady, CacheLayerMixin):
         if self.settings.mode == "drop" and self.keys.shape[2] > self.max_capacity + self.spare:
             self._compact(self.max_capacity + self.spare)
 
-    def slot_state(self, next_pos: torch.Tensor) -> SlotState:
-        """What the policy ranks (`next_pos` [B] or [B, 1, 1]), with this layer's per-prompt memo."""
-        return SlotState(self.pos, self.score, self.last, next_pos.view(-1, 1, 1), self.prompt_len, self.memo)
+    def slot_state(self, next_pos: torch.Tensor, keys: bool = True) -> SlotState:
+        """What the policy ranks (`next_pos` [B] or [B, 1, 1]), with this layer's per-prompt memo, and the stored keys
+        in float32 when the policy reads them (`keys=False`: the caller only asks `protected_recent`)."""
+        stored, scale = None, self.key_scale
+        if keys and self.policy.needs_keys:  # int8 storage dequantized
+            stored = self.keys.float() if scale is None else dequantize(self.keys, scale, torch.float32)
+        return SlotState(self.pos, self.score, self.last, next_pos.view(-1, 1, 1), self.prompt_len, self.memo, stored)
 
     def _free(self, mask: torch.Tensor) -> None:
         self.pos.masked_fill_(mask, -1)

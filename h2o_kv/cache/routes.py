@@ -113,11 +113,11 @@ def steady_route(layer, query: torch.Tensor, buffered: bool, softcap: float | No
     SnapKV)."""
     policy = layer.policy
     if uses_native(layer.settings, query.device) and policy.decay == 1.0 and native_step_reads(layer, query):
-        recent = policy.protected_recent(layer.slot_state(layer.next_pos))
+        recent = policy.protected_recent(layer.slot_state(layer.next_pos, keys=False))
         if recent is not None:
             return "native", recent
     if layer.head is None and triton_step(layer, query, buffered, softcap):
-        recent = policy.protected_recent(layer.slot_state(layer.next_pos))
+        recent = policy.protected_recent(layer.slot_state(layer.next_pos, keys=False))
         if recent is not None:
             return "triton", recent
     return "eager", None
@@ -133,9 +133,10 @@ def native_step_reads(layer, query: torch.Tensor) -> bool:
 
 def triton_step(layer, query: torch.Tensor, buffered: bool, softcap: float | None) -> bool:
     """Whether `triton_decode.decode_evict` can run this step: the Triton kernels on this device, no softcap, every
-    slot holding a token (`packed`), the new token's slots being the layer's vacant buffer (`buffered`), no `last`
-    and undecayed scores, and shapes the kernel takes."""
-    if softcap is not None or not layer.packed or not buffered:
+    slot holding a token (`packed`) or rows of different capacities (`ragged`: the kernel masks the empty slots), the
+    new token's slots being the layer's vacant buffer (`buffered`), no `last` and undecayed scores, and shapes the
+    kernel takes."""
+    if softcap is not None or not (layer.packed or layer.ragged()) or not buffered:
         return False
     if layer.last is not None or layer.policy.decay != 1.0 or not use_triton(query.device):
         return False

@@ -2,7 +2,8 @@
 them) and its slots (grow to a size, compact the kept ones to the front).
 
 transformers calls the first three (beam search, `num_return_sequences`); the engine's continuous
-batching calls `select_rows` when sequences finish and `append_rows` when new ones join. Mixed into
+batching calls `select_rows` when sequences finish and `append_rows` when new ones join, or, keeping every row in
+place (a batch bucket's rows, preallocated), `reserve_rows`, `write_row` into a free row and `clear_rows`. Mixed into
 `layer.KVLayer`, whose per-slot fields (`SLOT_FIELDS`, [B, H, S, ...]) and per-sequence fields
 (`ROW_FIELDS`, [B, ...]) move together, row by row.
 """
@@ -13,9 +14,16 @@ import copy
 
 import torch
 
+from h2o_kv.policies.base import PromptMemo
+
 SLOT_FIELDS = ("keys", "values", "pos", "score", "last", "key_scale", "value_scale", "head")  # [B, H, S, ...], or None
 ROW_FIELDS = ("next_pos", "prompt_len", "capacity")  # per-sequence tensors, [B, ...]
+# a free row's: no position yet, a one-token prompt, the least capacity (one slot per KV head: times `spare`)
+FREE_ROW = {"next_pos": 0, "prompt_len": 1, "capacity": 1}
 GROWTH = 256  # slots added at a time to an unbounded (Full) cache
+# a storage whose rows are kept in place grows to a multiple of this many slots (`write_row`): a longer prompt
+# joining seldom grows it again (each growth copies every row, and a captured step is recorded again)
+ROW_BLOCK = 64
 
 
 class Rows:
@@ -51,7 +59,7 @@ class Rows:
 
     def _rows_changed(self) -> None:
         """Rows came or went: the per-prompt memo and the storage's steady-step state belong to the old rows."""
-        self.memo = {}
+        self.memo = PromptMemo()
         self._storage_changed()
 
     def _storage_changed(self) -> None:
@@ -80,11 +88,7 @@ class Rows:
             self._rows_changed()
             self._refresh_bounds()
             return
-        if self.keys.shape[1:2] + self.keys.shape[3:] != other.keys.shape[1:2] + other.keys.shape[3:]:
-            raise ValueError(
-                f"cannot join sequences of another model: KV heads x head size {tuple(other.keys.shape[1::2])} "
-                f"vs {tuple(self.keys.shape[1::2])}"
-            )
+        self._check_joins(other)
         width = max(self.keys.shape[2], other.keys.shape[2])
         for name in SLOT_FIELDS:
             mine, theirs = getattr(self, name), getattr(other, name)
@@ -95,8 +99,6 @@ class Rows:
             setattr(self, name, torch.cat([mine, theirs]))
         for name in ROW_FIELDS:
             mine, theirs = getattr(self, name), getattr(other, name)
-            if (mine is None) != (theirs is None):
-                raise ValueError("cannot join a bounded sequence with an unbounded one")
             if mine is not None:
                 setattr(self, name, torch.cat([mine, theirs]))
         self.used = width
@@ -104,6 +106,86 @@ class Rows:
         self.kept_bound = max(self.kept_bound, other.kept_bound)
         self._rows_changed()
         self._refresh_bounds()
+
+    # -- rows in place: a batch bucket's rows, each joined and freed without moving the others ------------------
+    def reserve_rows(self, rows: int) -> None:
+        """Hold `rows` sequences, those past the current ones free (as `clear_rows` leaves a row): a copy of the
+        storage, once per growth (the engine grows a batch by buckets, so a join rarely needs one)."""
+        extra = rows - self.pos.shape[0]
+        if extra <= 0:
+            return
+        for name in SLOT_FIELDS + ROW_FIELDS:
+            t = getattr(self, name)
+            if t is not None:
+                fill = self._free_value(name) if name in ROW_FIELDS else -1 if name == "pos" else 0
+                setattr(self, name, torch.cat([t, t.new_full((extra, *t.shape[1:]), fill)]))
+        self._rows_changed()
+        self._refresh_bounds()
+
+    def write_row(self, row: int, other: Rows) -> None:
+        """Write the one sequence of `other` (its prompt seen) into the free row `row`, in place: its slots, positions,
+        scores and budget. No other row moves, unless the storage has fewer slots than the new row can fill (its
+        capacity and spare): then every row grows to that, rounded up to a multiple of `ROW_BLOCK`."""
+        self._check_joins(other)
+        if other.pos.shape[0] != 1:
+            raise ValueError(f"a free row takes one sequence, got {other.pos.shape[0]}")
+        width = other.keys.shape[2]
+        needed = max(width, other.kept_bound + other.spare, (other.max_capacity or 0) + other.spare)
+        if needed > self.keys.shape[2]:
+            self._reserve(-(-needed // ROW_BLOCK) * ROW_BLOCK)
+        for name in SLOT_FIELDS:
+            mine = getattr(self, name)
+            if mine is not None:
+                mine[row, :, :width] = getattr(other, name)[0]
+                if name in ("pos", "score", "last", "head"):
+                    mine[row, :, width:] = -1 if name == "pos" else 0
+        for name in ROW_FIELDS:
+            getattr(self, name)[row] = getattr(other, name)[0]
+        self.seen = max(self.seen, other.seen)
+        self.used = self.keys.shape[2]
+        self._storage_changed()  # the next step finds its slots again: the new row's first empty one
+        self._refresh_memo()
+        self._refresh_bounds()
+
+    def clear_rows(self, rows: list[int]) -> None:
+        """Free these rows in place (their sequences left): no slot holds a token, and a free row's budget (the
+        least: a step fed into it keeps one token per head). No other row moves; a steady layer stays steady, each
+        free row's next token going into its first slot."""
+        index = torch.as_tensor(rows, dtype=torch.long, device=self.pos.device)
+        self.pos.index_fill_(0, index, -1)
+        for name in ("score", "last", *ROW_FIELDS):
+            t = getattr(self, name)
+            if t is not None:
+                t.index_fill_(0, index, self._free_value(name) if name in ROW_FIELDS else 0)
+        self._refresh_memo()
+        if self.vacant is None or self.head is not None:  # a head-pooled row's new slots: found again next step
+            self._storage_changed()
+        else:
+            self.vacant.index_fill_(0, index, 0)
+            self.packed = False
+        self._refresh_bounds()
+
+    def _refresh_memo(self) -> None:
+        """The per-prompt values of the new prompt lengths, in the tensors that held the old ones where they can
+        (`PromptMemo.refresh`): a captured decode step reads them there."""
+        if isinstance(self.memo, PromptMemo):
+            self.memo.refresh(self.prompt_len)
+        else:
+            self.memo = PromptMemo()
+
+    def _free_value(self, name: str) -> int:
+        return FREE_ROW[name] * (self.spare if name == "capacity" else 1)
+
+    def _check_joins(self, other: Rows) -> None:
+        if not other.is_initialized or other.prompt_len is None:
+            raise ValueError("only sequences whose prompt has been through the cache can join a batch")
+        if self.keys.shape[1:2] + self.keys.shape[3:] != other.keys.shape[1:2] + other.keys.shape[3:]:
+            raise ValueError(
+                f"cannot join sequences of another model: KV heads x head size {tuple(other.keys.shape[1::2])} "
+                f"vs {tuple(self.keys.shape[1::2])}"
+            )
+        if (self.capacity is None) != (other.capacity is None):
+            raise ValueError("cannot join a bounded sequence with an unbounded one")
 
     def _refresh_bounds(self) -> None:
         """Python-side bounds from the per-row tensors (after rows came or went)."""

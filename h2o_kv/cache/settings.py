@@ -52,6 +52,7 @@ class Settings:
         self.sized_by_prompt = self.policy.fraction_of_prompt()
         self.warned = False  # a budget that keeps very few tokens is warned about once per cache (layer.py)
         self.past_context = False  # a sequence went past the model's context: warned once per cache
+        self.reconstruction = None  # KVzip's pass while it runs (reconstruct.Reconstruction)
 
     def check_context(self, seen: int, next_pos: torch.Tensor, config) -> None:
         """Warn, once per cache, when a sequence's positions go past the model's context (`max_position_embeddings`

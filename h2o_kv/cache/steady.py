@@ -6,9 +6,10 @@ one again (`_evict_one`: the oldest of its lowest priorities), with none of the 
 chunk or a growing storage needs (`_decode_full`). On a CPU with h2o-kv's C++ kernels, and a policy whose
 priority is its score with the newest tokens kept (`Policy.protected_recent`: H2O, SnapKV), the whole step
 is one C++ pass per row (`native.decode_step`): the same operations in the same order, without a kernel
-launch, a temporary tensor or a Python call per operation. Where the Triton kernels run (a GPU) and every slot
-holds a token, the same policies' step is `triton_decode.decode_evict`: the new token's write, attention, scores
-and each row's eviction in three launches. Which of the three runs is `routes.steady_route`'s choice.
+launch, a temporary tensor or a Python call per operation. Where the Triton kernels run (a GPU), the same
+policies' step is `triton_decode.decode_evict`: the new token's write, attention, scores and each row's eviction in
+three launches, over a layer whose every slot holds a token (`packed`) or whose rows have capacities of their own
+(`ragged`: a served batch of prompts of different lengths). Which of the three runs is `routes.steady_route`'s choice.
 `pooled.PooledKVLayer` has its own `_decode_full` for a head-pooled row and shares `_attend_steady`.
 """
 
@@ -35,10 +36,17 @@ class Steady:
         """A drop-mode layer whose last decode step left each head one empty slot (`_evict_one`)."""
         return self.vacant is not None
 
+    def ragged(self) -> bool:
+        """Whether some row's capacity leaves slots of the storage empty for good (rows of different capacities: a
+        served batch of prompts with fraction budgets), so the layer never becomes `packed`: every step masks
+        the empty slots, and no host check waits for it to pack."""
+        bounded = not self.packed and self.min_capacity is not None
+        return bounded and self.min_capacity + self.spare < self.keys.shape[2]
+
     def steady(self) -> bool:
         """Whether this layer's next decode step is the fixed-shape one a CUDA graph or a compiled step can replay:
-        a drop-mode row per KV head, prompt seen, no call in flight, every slot full (`packed`), one slot left by
-        the last step (`vacant`), and scores that do not decay."""
+        a drop-mode row per KV head, prompt seen, no call in flight, every slot full (`packed`) or rows of different
+        capacities (`ragged`), one slot left by the last step (`vacant`), and scores that do not decay."""
         return (
             self.is_initialized
             and self.settings.mode == "drop"
@@ -46,9 +54,22 @@ class Steady:
             and self.pending is None
             and self.prompt_len is not None
             and self._full()
-            and self.packed
+            and (self.packed or self.ragged())
             and self.policy.decay == 1.0
         )
+
+    def steady_key(self) -> tuple:
+        """What a captured steady step of this layer was recorded against: which route it takes (`packed`,
+        `ragged`, `vacant_buffered`) and the addresses of every tensor it reads or writes (the storage, the row
+        budgets, the vacant slots, the per-prompt values, the widening buffer). Equal keys: a replay reads and writes
+        what an eager step would. A row written into or freed in place changes none of them (rows.py); a C++ step
+        (a CPU's) leaves its freed slots in a new tensor each time, so its layer's key changes every step."""
+        tensors = [getattr(self, name) for name in (*STEADY_FIELDS, "capacity", "prompt_len")]
+        for value in self.memo.values():  # a tensor, or a tuple of them
+            tensors += [t for t in (value if isinstance(value, tuple) else (value,)) if isinstance(t, torch.Tensor)]
+        tensors += [getattr(self.settings, "_work", None), self.vacant]  # `vacant`: the buffer, but after a C++ step
+        addresses = tuple(0 if t is None else t.data_ptr() for t in tensors)
+        return self.packed, self.ragged(), self.vacant_buffered, tuple(self.memo), addresses
 
     def _decode_full(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, qpos: torch.Tensor, *,
                      scaling: float, softcap: float | None) -> torch.Tensor:  # fmt: skip
@@ -61,11 +82,9 @@ class Steady:
         backend, recent = steady_route(self, query, buffered, softcap)
         if backend == "native":  # the same operations in one C++ pass per (sequence, KV head)
             return self._decode_fused(query, keys, values, qpos, slots, recent, scaling=scaling, softcap=softcap)
-        fused_write = backend == "triton" and self.key_scale is None  # float storage: the Triton kernel writes
-        if not fused_write:
-            self._write(slots, keys, values, qpos.view(batch, 1, 1).expand(batch, heads, 1), zeroed=True)
-        if backend == "triton":  # (write,) attend, score and evict in three Triton launches
-            return self._decode_triton(query, recent, (keys, values, qpos) if fused_write else None, scaling=scaling)
+        if backend == "triton":  # write, attend, score and evict in three Triton launches
+            return self._decode_triton(query, recent, keys, values, qpos, scaling=scaling)
+        self._write(slots, keys, values, qpos.view(batch, 1, 1).expand(batch, heads, 1), zeroed=True)
         out, valid = self._attend_steady(query, qpos, scaling=scaling, softcap=softcap)
         self._evict_one(valid, self.slot_state(self.next_pos))
         return out
@@ -98,16 +117,26 @@ class Steady:
         self.end_steady(freed)
         return out.to(query.dtype)
 
-    def _decode_triton(self, query: torch.Tensor, recent: torch.Tensor, new: tuple | None, *, scaling: float):
-        """Attend, add the scores and free each row's victim into the vacant buffer (`triton_decode.decode_evict`),
-        writing first the `new` token (keys, values, positions) into the buffer's slots where given."""
+    def _decode_triton(self, query: torch.Tensor, recent: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                       qpos: torch.Tensor, *, scaling: float):  # fmt: skip
+        """Write the new token (keys, values [B, H, 1, D] at positions qpos [B, 1]) into the vacant buffer's slots,
+        attend, add the scores and free each row's victim there (`triton_decode.decode_evict`). int8 storage gets
+        the token quantized as `_write` quantizes it; a `ragged` layer's rows each keep their own capacity."""
         from h2o_kv.backends import triton_decode
 
-        written = {} if new is None else dict(zip(("new_key", "new_value", "new_pos"), new, strict=True))
+        scales = {}
+        if self.key_scale is not None:
+            if keys.shape == values.shape:  # as `_write`: one quantize call for both
+                (keys, values), (key_scale, value_scale) = quantize(torch.stack((keys, values)))
+            else:
+                (keys, key_scale), (values, value_scale) = quantize(keys), quantize(values)
+            scales = dict(new_key_scale=key_scale, new_value_scale=value_scale)
         q = query.to(compute_dtype(query.dtype, query.device))
         out = triton_decode.decode_evict(q, self.keys, self.values, self.pos, self.score, self.vacant_buffer,
                                          self.next_pos, recent, scaling=scaling, key_scale=self.key_scale,
-                                         value_scale=self.value_scale, **written)  # fmt: skip
+                                         value_scale=self.value_scale, new_key=keys, new_value=values,
+                                         new_pos=qpos, **scales,
+                                         capacity=None if self.packed else self.capacity)  # fmt: skip
         self._leave_vacant(self.vacant_buffer, buffered=True)
         return out.to(query.dtype)
 
@@ -130,8 +159,8 @@ class Steady:
 
     def _attend_steady(self, query: torch.Tensor, qpos: torch.Tensor, *, scaling: float, softcap: float | None):
         """A steady decode step's attention with its scores added (`_decode_full`, here and pooled.py's); returns
-        the output and which slots hold a token, None once every one does (`packed`: all rows at one capacity,
-        all reached; each step then evicts what it adds, so it stays so)."""
+        the output and which slots hold a token, None once every one does (`packed`: every row's capacity fills the
+        storage, all reached; each step then evicts what it adds, so it stays so)."""
         policy, packed = self.policy, self.packed
         call = Call(scaling, softcap=softcap, want_scores=policy.needs_scores, want_last=policy.needs_last)
         out, scores, last = self._attend(query, qpos, call, full=packed)
@@ -140,8 +169,8 @@ class Steady:
         if last is not None:
             self.last.copy_(last)  # in place: a replayed step reads the same buffer
         valid = None if packed else self.pos >= 0
-        uniform = not packed and self.min_capacity == self.max_capacity and not capturing()
-        if uniform and bool(valid.all()):  # a host sync, until packed (never inside a captured or compiled step)
+        can_pack = not packed and not self.ragged() and not capturing()
+        if can_pack and bool(valid.all()):  # a host sync, until packed (never inside a captured or compiled step)
             self.packed = True
         return out, valid
 

@@ -24,10 +24,12 @@ _LAZY = {
     for name, module in {
         "Policy": "base", "SlotState": "base", "per_prompt": "base", "Full": "full", "H2O": "h2o", "Local": "local",
         "StreamingLLM": "streaming", "TOVA": "tova", "SnapKV": "snapkv", "AdaKV": "adakv", "Sinks": "sinks",
+        "KeyDiff": "keydiff", "KVzip": "kvzip",
         "LayerBudgets": "layers", "build": "builder",
     }.items()
 }  # fmt: skip
-CLASSES = ("Policy", "H2O", "Local", "StreamingLLM", "TOVA", "SnapKV", "AdaKV", "LayerBudgets", "Sinks", "Full")
+CLASSES = ("Policy", "H2O", "Local", "StreamingLLM", "TOVA", "SnapKV", "KeyDiff", "KVzip", "AdaKV", "LayerBudgets",
+           "Sinks", "Full")  # fmt: skip
 
 __all__ = ["MAX_TOKENS", "NAMES", "DEFAULT", "FRACTION_FLOOR", "Budget", "budget_tokens", "check_budget_value",
            "is_fraction", "parse_budget", "policy_key", "short_fraction", *_LAZY]  # fmt: skip

@@ -32,6 +32,8 @@ class AdaKV(Wrapper):
             raise TypeError(f"AdaKV wraps one h2o_kv policy, got {self.inner!r}")
         if self.inner.score_shared:
             raise ValueError("AdaKV pools a layer's heads already; an inner policy with shared=True means nothing")
+        if self.inner.needs_keys:  # a pooled row holds every head's keys: one anchor would mix the heads
+            raise ValueError(f"AdaKV cannot pool {self.inner.describe()}: it ranks each KV head by its own keys")
 
     def capacity(self, prompt_len: torch.Tensor) -> torch.Tensor | None:
         return self.inner.capacity(prompt_len)

@@ -26,6 +26,7 @@ class SlotState:
     next_pos: torch.Tensor  # [B, 1, 1] int64 position the next token of each sequence will take
     prompt_len: torch.Tensor  # [B, 1, 1] int64 real tokens in the first call (for ratio budgets)
     memo: dict = field(default_factory=dict)  # the layer's, kept while `prompt_len` is one tensor (`per_prompt`)
+    keys: torch.Tensor | None = None  # [B, H, S, D] float32 stored keys (int8 dequantized), if `needs_keys`
 
 
 T = TypeVar("T")
@@ -36,15 +37,49 @@ def per_prompt(state: SlotState, key: str, compute: Callable[[torch.Tensor], T])
     values that depend only on the prompt lengths (an H2O split) are a few small kernels each time."""
     if key not in state.memo:
         state.memo[key] = compute(state.prompt_len)
+        if isinstance(state.memo, PromptMemo):
+            state.memo.computes[key] = compute
     return state.memo[key]
+
+
+class PromptMemo(dict):
+    """A layer's `per_prompt` values with how each was computed, so that when a row's prompt length changes in place
+    (a sequence joins or leaves a free row) they are computed again into the same tensors (`refresh`): a captured
+    decode step goes on reading them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.computes: dict[str, Callable] = {}
+
+    def refresh(self, prompt_len: torch.Tensor) -> None:
+        for key, compute in self.computes.items():
+            old, new = self[key], compute(prompt_len)
+            olds, news = (old, new) if isinstance(old, tuple) and isinstance(new, tuple) else ((old,), (new,))
+            if len(olds) == len(news) and all(map(_fits, olds, news)):
+                for a, b in zip(olds, news):
+                    a.copy_(b)
+            else:  # a new value (a captured step sees the change: `KVCache.steady_key`)
+                self[key] = new
+
+
+def _fits(old, new) -> bool:
+    """Whether `new` can be copied into the tensor `old` (same shape and dtype, not an expanded view)."""
+    if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)):
+        return False
+    return old.shape == new.shape and old.dtype == new.dtype and torch._debug_has_internal_overlap(old) == 0
 
 
 @dataclass(frozen=True)
 class Policy:
-    """Base class. Subclasses set `needs_scores` / `needs_last` so the cache only gathers what is used."""
+    """Base class. Subclasses set `needs_scores` / `needs_last` / `needs_keys` so the cache only gathers what is
+    used."""
 
     needs_scores: ClassVar[bool] = False
     needs_last: ClassVar[bool] = False
+    needs_keys: ClassVar[bool] = False  # `priority` reads the kept keys (`SlotState.keys`: KeyDiff)
+    # the context is ranked by a reconstruction pass (KVzip: `h2o_kv.compress`, cache/reconstruct.py), not by a
+    # plain prompt call, which the cache then refuses
+    reconstructs: ClassVar[bool] = False
     # How scores accumulate (the cache reads these; subclasses may make them fields):
     score_window: ClassVar[int | None] = None  # a multi-token call scores with its last `score_window` queries only
     score_pool: ClassVar[int] = 1  # ... max-pooled over that many neighbouring kept tokens (by position)
@@ -91,6 +126,8 @@ class Wrapper(Policy):
 
     needs_scores = property(lambda self: self.inner.needs_scores)  # type: ignore[assignment]
     needs_last = property(lambda self: self.inner.needs_last)  # type: ignore[assignment]
+    needs_keys = property(lambda self: self.inner.needs_keys)  # type: ignore[assignment]
+    reconstructs = property(lambda self: self.inner.reconstructs)  # type: ignore[assignment]
     score_window = property(lambda self: self.inner.score_window)  # type: ignore[assignment]
     score_pool = property(lambda self: self.inner.score_pool)  # type: ignore[assignment]
     decay = property(lambda self: self.inner.decay)  # type: ignore[assignment]

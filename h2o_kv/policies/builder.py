@@ -8,6 +8,8 @@ from h2o_kv.policies.base import Policy
 from h2o_kv.policies.budget import Budget, check_budget_value, policy_key
 from h2o_kv.policies.full import Full
 from h2o_kv.policies.h2o import H2O
+from h2o_kv.policies.keydiff import KeyDiff
+from h2o_kv.policies.kvzip import KVzip
 from h2o_kv.policies.layers import LayerBudgets
 from h2o_kv.policies.local import Local
 from h2o_kv.policies.snapkv import SnapKV
@@ -25,6 +27,8 @@ def build(name: str, budget: Budget = None, *, sinks: int = 4) -> Policy:
     "pyramidkv" and "globalkv" are SnapKV with per-layer budgets averaging `budget` (LayerBudgets:
     PyramidKV's schedule; sliding-window layers giving their budget to full-attention layers).
     "adakv" is SnapKV with each layer's budget shared by its KV heads (AdaKV: heads x budget per layer).
+    "keydiff" and "kvzip" are query-agnostic (a context compressed before its question): KeyDiff ranks by keys,
+    KVzip by a reconstruction pass that `h2o_kv.compress` runs (a plain prompt call refuses it).
     """
     key = policy_key(name)
     if key == "full":
@@ -42,6 +46,10 @@ def build(name: str, budget: Budget = None, *, sinks: int = 4) -> Policy:
         return TOVA(budget=budget)
     if key == "snapkv":
         return SnapKV(budget=budget)
+    if key == "keydiff":
+        return KeyDiff(budget=budget)
+    if key == "kvzip":
+        return KVzip(budget=budget)
     if key == "adakv":
         return AdaKV(SnapKV(budget=budget))
     if key in ("pyramidkv", "globalkv"):

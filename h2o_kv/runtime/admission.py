@@ -11,15 +11,19 @@ import functools
 import torch
 
 from h2o_kv.cache.layer import GROWTH
+from h2o_kv.cache.rows import ROW_BLOCK
 from h2o_kv.errors import ContextTooLong, KVMemoryExceeded
 from h2o_kv.policies import Policy
 
 
 class SlotCount:
-    """Slots per layer and KV head for a policy and request size, under one engine's mode and prefill chunk."""
+    """Slots per layer and KV head for a policy and request size, under one engine's mode and prefill chunk. `in_place`:
+    a bounded policy's rows are kept in place (batch.py), each reserved at its capacity (plus the incoming token's
+    slot, rounded up to `ROW_BLOCK` slots) from the join on, so that it never grows while it decodes."""
 
-    def __init__(self, config, dtype: torch.dtype, kv_dtype: str | None, mode: str, prefill_chunk: int | None):
-        self.config, self.mode, self.prefill_chunk = config, mode, prefill_chunk
+    def __init__(self, config, dtype: torch.dtype, kv_dtype: str | None, mode: str, prefill_chunk: int | None,
+                 in_place: bool = False) -> None:  # fmt: skip
+        self.config, self.mode, self.prefill_chunk, self.in_place = config, mode, prefill_chunk, in_place
         self.layout = kv_layout(config, dtype, kv_dtype)  # bytes of one slot over every layer and KV head
         self._layer_policies = functools.lru_cache(maxsize=256)(self._own_policies)  # admission runs every step
 
@@ -39,6 +43,11 @@ class SlotCount:
         counts = [self._layer_slots(p, prompt_len, max_tokens) for p in own]
         return -(-sum(c[0] for c in counts) // len(own)), -(-sum(c[1] for c in counts) // len(own))
 
+    def bounded(self, policy: Policy) -> bool:
+        """Whether a cache of `policy` holds a bounded number of slots per row (drop mode, a capacity): its batch
+        can keep free rows in place (`KVCache.rows_in_place`)."""
+        return self.mode == "drop" and policy.capacity(torch.ones(1, dtype=torch.long)) is not None
+
     def _own_policies(self, policy: Policy) -> tuple[Policy, ...] | None:
         """Each layer's own policy, or None when every layer keeps `policy` itself."""
         own = tuple(policy.for_layer(i, self.config) for i in range(int(self.config.num_hidden_layers)))
@@ -53,6 +62,8 @@ class SlotCount:
             return final, -(-prompt_len // GROWTH) * GROWTH
         kept = int(capacity)
         decode = min(kept, prompt_len + max_tokens) + 1
+        if self.in_place:  # a row in place is reserved at its capacity, in blocks (`KVLayer.write_row`)
+            decode = -(-(kept + 1) // ROW_BLOCK) * ROW_BLOCK
         return decode, min(prompt_len, kept + (self.prefill_chunk or prompt_len)) + 1
 
 

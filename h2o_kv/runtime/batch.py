@@ -2,9 +2,16 @@
 
 Requests with the same policy and budget decode together: one `KVCache` holds their sequences, one forward call
 steps them all. A request joins when its prompt is through (`join`: its prefilled cache's rows are written in) and
-leaves when it finishes or is cancelled (`leave`: its rows are freed); `requests[i]` is the request in row i. The
-next step's inputs live here as tensors on the model's device: each row's last token and its position, advanced
-in place after each step, so a step builds nothing from Python lists but the tokens sampled on the host.
+leaves when it finishes or is cancelled (`leave`: its rows are freed); `requests[i]` is the request in cache row
+`rows[i]`. The next step's inputs live here as tensors on the model's device: each row's last token and its
+position, advanced in place after each step, so a step builds nothing from Python lists but the tokens sampled on
+the host.
+
+Rows in place (`in_place`, the engine's default on a GPU, for a bounded drop-mode policy): the cache holds a bucket
+of rows (1, 2, 4, 8, ... up to the engine's `max_batch`), a request joins a free row and leaves its row free, so no
+other row's storage is copied (`KVCache.write_rows(into=)`, `release_rows`), and the step's shapes stay those of
+the bucket (what a captured step replays). Free rows step along, fed token 0 at position 0; their logits are never
+read. The bucket grows when no row is free and shrinks, packing the rows, once a quarter of it is in use.
 """
 
 from __future__ import annotations
@@ -18,45 +25,99 @@ from h2o_kv.runtime.request import Request
 
 
 class Batch:
-    """The decoding rows of one policy: `cache` row i is `requests[i]`."""
+    """The decoding rows of one policy: `requests[i]` is in `cache` row `rows[i]`. `max_rows`: keep rows in place
+    in buckets of rows up to this many (None: rows packed, the cache as wide as the requests)."""
 
-    def __init__(self, request: Request, cache: KVCache, device: torch.device) -> None:
-        self.cache, self.requests = cache, [request]
+    def __init__(self, request: Request, cache: KVCache, device: torch.device, max_rows: int | None = None) -> None:
+        self.cache, self.requests, self.rows = cache, [request], [0]
+        self.max_rows = max_rows if max_rows is not None and cache.rows_in_place else None
         self.tokens = torch.tensor([request.token_ids[-1]], device=device)
         self.positions = torch.tensor([request.position], device=device)
 
     def __len__(self) -> int:
         return len(self.requests)
 
+    @property
+    def in_place(self) -> bool:
+        return self.max_rows is not None
+
     def join(self, request: Request, cache: KVCache) -> None:
         """Take in a request whose prompt has been through `cache` (its one row) and whose first token is sampled."""
-        self.cache.write_rows(cache)
+        token, position = request.token_ids[-1], request.position
         self.requests.append(request)
-        new = [request.token_ids[-1]], [request.position]
-        self.tokens = torch.cat([self.tokens, self.tokens.new_tensor(new[0])])
-        self.positions = torch.cat([self.positions, self.positions.new_tensor(new[1])])
+        if not self.in_place:
+            self.cache.write_rows(cache)
+            self.rows.append(len(self.rows))
+            self.tokens = torch.cat([self.tokens, self.tokens.new_tensor([token])])
+            self.positions = torch.cat([self.positions, self.positions.new_tensor([position])])
+            return
+        row = self._free_row()
+        self.cache.write_rows(cache, into=row)
+        self.rows.append(row)
+        self.tokens[row], self.positions[row] = token, position
+
+    def _free_row(self) -> int:
+        """The first free row of the cache, after growing it to the next bucket when none is free."""
+        taken = set(self.rows)
+        free = [row for row in range(self.cache.batch_size) if row not in taken]
+        if free:
+            return free[0]
+        self._resize(bucket(len(self.rows) + 1, self.max_rows))
+        return len(self.rows)
+
+    def _resize(self, rows: int) -> None:
+        """Hold `rows` rows, the new ones free (a copy of the storage: once per bucket)."""
+        self.cache.reserve_rows(rows)
+        extra = rows - self.tokens.shape[0]
+        self.tokens = torch.cat([self.tokens, self.tokens.new_zeros(extra)])
+        self.positions = torch.cat([self.positions, self.positions.new_zeros(extra)])
 
     def advance(self, tokens: list[int | None], greedy: torch.Tensor | None) -> None:
         """After a decode step: each row's next input is the token it sampled (`greedy`, the step's argmax on the
-        device, when every row decodes greedily; None for a row whose sampling failed, which leaves), one position
-        on."""
-        self.tokens = greedy if greedy is not None else self.tokens.new_tensor([t or 0 for t in tokens])
+        device for every cache row, when every request decodes greedily; None for a row whose sampling failed,
+        which leaves), one position on."""
+        if greedy is not None:
+            self.tokens = greedy
+        else:
+            self.tokens[self.rows] = self.tokens.new_tensor([t or 0 for t in tokens])
         self.positions.add_(1)
 
-    def leave(self, rows: list[int]) -> None:
-        """Free these rows; the others keep their order."""
-        gone = set(rows)
-        keep = [i for i in range(len(self.requests)) if i not in gone]
-        self.cache.free_rows(rows)
+    def leave(self, gone: list[int]) -> None:
+        """These requests (indices into `requests`) leave: their rows are freed; the others keep their order."""
+        rows = [self.rows[i] for i in gone]
+        keep = [i for i in range(len(self.requests)) if i not in set(gone)]
         self.requests = [self.requests[i] for i in keep]
-        index = torch.tensor(keep, device=self.tokens.device)
-        self.tokens, self.positions = self.tokens[index], self.positions[index]
+        if not self.in_place:
+            self.cache.free_rows(rows)
+            index = torch.tensor(keep, device=self.tokens.device)
+            self.tokens, self.positions = self.tokens[index], self.positions[index]
+            self.rows = list(range(len(keep)))
+            return
+        self.cache.release_rows(rows)
+        self.tokens[rows], self.positions[rows] = 0, 0
+        self.rows = [self.rows[i] for i in keep]
+        if len(self.rows) <= self.cache.batch_size // 4:  # a quarter in use: pack the rows into a smaller bucket
+            index = torch.tensor(self.rows, device=self.tokens.device)
+            self.cache.select_rows(self.rows)
+            self.tokens, self.positions = self.tokens[index], self.positions[index]
+            self.rows = list(range(len(self.rows)))
+            self._resize(bucket(len(self.rows), self.max_rows))
 
-    def record(self, row: int) -> None:
-        """What the request in `row` held at its end, in its `cache_stats`: kept and seen tokens, and its bytes."""
-        self.requests[row].cache_stats = record_of(self.cache, row)
+    def record(self, i: int) -> None:
+        """What request `i` held at its end, in its `cache_stats`: kept and seen tokens, and its bytes."""
+        record(self.requests[i], self.cache, self.rows[i])
 
 
-def record_of(cache: KVCache, row: int) -> dict:
-    """A request's `cache_stats` from its cache's row (`KVCache.row_stats`)."""
-    return dataclasses.asdict(cache.row_stats(row))
+def bucket(rows: int, most: int) -> int:
+    """The rows a batch of `rows` requests holds in place: the next power of two, at most `most` (and at least
+    `rows`)."""
+    return max(rows, min(1 << (rows - 1).bit_length(), most))
+
+
+def record(request: Request, cache: KVCache, row: int) -> None:
+    """A request's `cache_stats` from its cache's row (`KVCache.row_stats`), with `kv_inspect` the summary of its
+    kept map over its prompt (`KVCache.kept_map`: a few tens of KB)."""
+    stats = dataclasses.asdict(cache.row_stats(row))
+    if request.kv_inspect:
+        stats["kept_map"] = cache.kept_map(row).summary(request.prompt_tokens)
+    request.note_stats(stats)

@@ -25,19 +25,33 @@ from h2o_kv import backends, policies
 from h2o_kv.cache.attention import enable
 from h2o_kv.cache.formats import check_kv_dtype
 from h2o_kv.cache.kvcache import KVCache
+from h2o_kv.errors import UnsupportedPolicy
 from h2o_kv.model_config import text_config
 from h2o_kv.policies import Policy
 from h2o_kv.runtime.admission import SlotCount, admission_bytes
+from h2o_kv.runtime.captured import CapturedSteps
 from h2o_kv.runtime.generation import Sampling, eos_ids
 from h2o_kv.runtime.prefixes import PrefixStore
 from h2o_kv.runtime.request import Completion, Event, Request
 from h2o_kv.runtime.scheduler import Scheduler
 from h2o_kv.runtime.steps import EagerSteps
 
-__all__ = ["Engine", "Request", "Event", "Completion", "Sampling"]
+__all__ = ["Engine", "Request", "Event", "Completion", "Sampling", "served"]
 
 
 DEFAULT_BUDGET = 0.2  # a fifth of the prompt: the committed studies' operating point
+
+
+def served(policy: Policy) -> Policy:
+    """`policy`, if the engine can run it: UnsupportedPolicy for KVzip, whose reconstruction pass (a second
+    prefill that is dropped) the engine's chunked prefill does not run."""
+    if policy.reconstructs:
+        raise UnsupportedPolicy(
+            f"{policy.describe()} ranks a context by reconstructing it, a pass the engine does not run: serve another "
+            "policy (keydiff is query-agnostic too), or use h2o_kv.compress(model, input_ids, policy, tokenizer=...) "
+            "and model.generate"
+        )
+    return policy
 
 
 class Engine:
@@ -55,9 +69,14 @@ class Engine:
         mode: str = "drop",
         kv_dtype: str | None = None,
         session_memory: int | None = None,
+        rows_in_place: bool | None = None,
+        captured_steps: bool | None = None,
     ) -> None:
+        """`rows_in_place`: each policy's batch keeps its rows in place, in buckets (batch.py), so a join or a leave
+        copies no other row's storage; `captured_steps`: a batch's steady decode step is recorded as a CUDA graph
+        once per bucket and replayed (captured.py). None: both on a GPU, both off on a CPU."""
         # the defaults must make sense; a Full default keeps `budget` for requests naming a bounded policy
-        policies.build(policy, None if str(policy).lower() == "full" else budget, sinks=sinks)
+        served(policies.build(policy, None if str(policy).lower() == "full" else budget, sinks=sinks))
         for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk or 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -73,7 +92,8 @@ class Engine:
         self.kv_memory, self.max_batch, self.prefill_chunk = kv_memory, max_batch, prefill_chunk
         config = text_config(model.config)
         self.context_limit = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
-        self._count = SlotCount(config, model.dtype, kv_dtype, mode, prefill_chunk)
+        self.rows_in_place = model.device.type == "cuda" if rows_in_place is None else bool(rows_in_place)
+        self._count = SlotCount(config, model.dtype, kv_dtype, mode, prefill_chunk, in_place=self.rows_in_place)
         self._lock = threading.Condition()  # guards the waiting queue (submit never waits for a step)
         self._state = threading.Lock()  # held by a step while it changes the batches; stats() reads under it
         self.session_memory = session_memory or None
@@ -81,8 +101,11 @@ class Engine:
         self._runs = Scheduler(self._count, kv_memory=kv_memory, max_batch=max_batch, new_cache=self._new_cache,
                                prefixes=self.prefixes)  # fmt: skip
         self.eos = eos_ids(model, tokenizer)
-        self._steps = EagerSteps(model, eos=self.eos, prefill_chunk=prefill_chunk,
-                                 held=self._note_peaks)  # fmt: skip
+        cuda = model.device.type == "cuda"
+        if captured_steps and not cuda:
+            raise ValueError(f"captured steps are CUDA graphs: they need a model on a GPU, not {model.device}")
+        steps = CapturedSteps if (cuda if captured_steps is None else captured_steps) else EagerSteps
+        self._steps = steps(model, eos=self.eos, prefill_chunk=prefill_chunk, held=self._note_peaks)
         self._thread: threading.Thread | None = None
         self._closing = False
         self.peaks = {"running": 0, "kv_bytes_in_use": 0}  # high-water marks since start or reset_peaks()
@@ -99,9 +122,11 @@ class Engine:
         budget: policies.Budget = None,
         ignore_eos: bool = False,
         on_event=None,
+        kv_inspect: bool = False,
     ) -> Request:
         """Queue a prompt (token ids); raises at once for anything that cannot be served: `h2o_kv.errors`'
-        ContextTooLong, KVMemoryExceeded, UnknownPolicy, BadBudget (each a ValueError naming its `param`)."""
+        ContextTooLong, KVMemoryExceeded, UnknownPolicy, BadBudget, UnsupportedPolicy (each a ValueError naming its
+        `param`)."""
         if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
             raise ValueError("the prompt is empty")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
@@ -109,7 +134,7 @@ class Engine:
         stop = (stop,) if isinstance(stop, str) else tuple(stop)
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError("stop must be non-empty strings")
-        built = self.resolve_policy(policy, budget)
+        built = served(self.resolve_policy(policy, budget))
         kv_bytes = admission_bytes(self._count, built, len(prompt_ids), max_tokens, context=self.context_limit,
                                    kv_memory=self.kv_memory)  # fmt: skip
         sampling = sampling or Sampling()
@@ -118,6 +143,7 @@ class Engine:
         )
         request.generator = sampling.generator(self.model.device)
         request.ignore_eos = bool(ignore_eos)
+        request.kv_inspect = bool(kv_inspect)  # its kept map recorded at its end: `request.stats()["kept_map"]`
         with self._lock:
             if self._closing:
                 raise RuntimeError("the engine is shutting down")

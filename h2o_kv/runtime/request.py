@@ -61,10 +61,12 @@ class Request:
     generator: torch.Generator | None = None
     ignore_eos: bool = False  # benchmarks: generate exactly max_tokens
     cache_stats: dict = field(default_factory=dict)  # kept/seen tokens and KV bytes at the end
+    kv_inspect: bool = False  # cache_stats also holds the kept map's summary ("kept_map": `KeptMap.summary`)
     reused_tokens: int = 0  # prompt tokens a kept cache had seen (not prefilled; runtime/prefixes.py)
     _text: str = ""  # text emitted so far
     _cancelled: threading.Event = field(default_factory=threading.Event)
     _done: threading.Event = field(default_factory=threading.Event)
+    _recorded: threading.Event = field(default_factory=threading.Event)
     _queue: queue.Queue = field(default_factory=queue.Queue)
 
     @property
@@ -106,6 +108,11 @@ class Request:
             self._emit(token, text[: len(text) - self._held_back(text)], None)
         return self.finish_reason is not None
 
+    def note_stats(self, stats: dict) -> None:
+        """What the request's cache held at its end (the engine records it just after the last token's event)."""
+        self.cache_stats = stats
+        self._recorded.set()
+
     def finish(self, reason: str, error: str | None = None) -> None:
         """End the request without a new token (cancelled, or an error)."""
         if self.finish_reason is None:
@@ -146,6 +153,11 @@ class Request:
             yield event
             if event.finish_reason is not None:
                 return
+
+    def stats(self, timeout: float | None = None) -> dict:
+        """`cache_stats` once the engine has recorded them, which it does for a request that ends with its answer
+        ("stop" or "length") just after the last event; {} if not within `timeout`."""
+        return self.cache_stats if self._recorded.wait(timeout) else {}
 
     def result(self, timeout: float | None = None) -> Completion:
         """Wait for the end and return the whole completion (raises RuntimeError if generation failed)."""

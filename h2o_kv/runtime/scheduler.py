@@ -21,7 +21,7 @@ import torch
 from h2o_kv.cache.kvcache import KVCache
 from h2o_kv.policies import Policy
 from h2o_kv.runtime.admission import SlotCount
-from h2o_kv.runtime.batch import Batch
+from h2o_kv.runtime.batch import Batch, bucket
 from h2o_kv.runtime.prefixes import PrefixStore
 from h2o_kv.runtime.request import Request
 
@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 
 class Scheduler:
     """The requests of one engine by stage; `new_cache(request)` makes an admitted request's cache; `prefixes` keeps
-    finished requests' caches for prompts that extend them (None: off)."""
+    finished requests' caches for prompts that extend them (None: off). Where `count.in_place`, a bounded policy's
+    batch keeps its rows in place, in buckets of rows (`Batch.in_place`)."""
 
     def __init__(self, count: SlotCount, *, kv_memory: int | None, max_batch: int,
                  new_cache: Callable[[Request], KVCache], prefixes: PrefixStore | None = None) -> None:  # fmt: skip
@@ -102,7 +103,8 @@ class Scheduler:
         """A request whose prompt is through (first token sampled) joins its policy's batch."""
         batch = self.batches.get(request.policy)
         if batch is None:
-            self.batches[request.policy] = Batch(request, cache, device)
+            rows = self.max_batch if self.count.in_place else None
+            self.batches[request.policy] = Batch(request, cache, device, rows)
         else:
             batch.join(request, cache)
 
@@ -133,7 +135,8 @@ class Scheduler:
 
     def projected(self, extra: Request | None = None) -> int:
         """KV bytes if `extra` were admitted (None: of those running): every batch at its widest row (prompts still
-        going in counted in their batch), plus the largest prompt in flight (one prompt is prefilled at a time)."""
+        going in counted in their batch), plus the largest prompt in flight (one prompt is prefilled at a time). A
+        batch in place counts what it allocates: its bucket of rows (free rows too), each as wide as its widest."""
         groups: dict[Policy, list[int]] = {}
         prefill = 0
         for request in [*self.all_running(), *([extra] if extra is not None else [])]:
@@ -141,5 +144,15 @@ class Scheduler:
             groups.setdefault(request.policy, []).append(decode)
             if request is extra or any(request is r for r, _ in self.prefill):
                 prefill = max(prefill, prompt)
-        slots = sum(len(widths) * max(widths) for widths in groups.values()) + prefill
-        return slots * self.count.layout
+        total = prefill * self.count.layout
+        for policy, widths in groups.items():
+            if not self.count.in_place or not self.count.bounded(policy):
+                total += len(widths) * max(widths) * self.count.layout
+                continue
+            rows, row_bytes = bucket(len(widths), self.max_batch), max(widths) * self.count.layout
+            batch = self.batches.get(policy)
+            if batch is not None:  # its rows as wide as the widest that joined, and no fewer than it holds now
+                held = batch.cache.batch_size
+                rows, row_bytes = max(rows, held), max(row_bytes, batch.cache.nbytes() // held)
+            total += rows * row_bytes
+        return total

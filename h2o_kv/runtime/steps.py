@@ -4,9 +4,9 @@
 token and lets the request join its policy's batch; `decode` steps one policy's batch and lets its finished rows
 go. A prompt continues where its cache has seen it to (`seen_tokens`: a kept prefix's fork starts past it), and a
 request that ends with its answer leaves its cache to the scheduler's prefix store (`Scheduler.keep`). The model
-calls are eager `forward`s today (`_prefill_call`, `_decode_call`); a steady step captured per batch bucket plugs in
-at `_decode_call`, and nothing else changes. A request whose call or sampling fails ends with the error; everyone
-else goes on.
+calls are eager `forward`s here (`_prefill_call`, `_decode_call`); on a GPU, captured.py's `CapturedSteps` replays a
+batch's steady step recorded once per batch bucket at `_decode_call`, and nothing else changes. A request whose
+call or sampling fails ends with the error; everyone else goes on.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from h2o_kv.cache.kvcache import KVCache
 from h2o_kv.policies import Policy
-from h2o_kv.runtime.batch import record_of
+from h2o_kv.runtime.batch import record
 from h2o_kv.runtime.generation import decode_step, forward, sample
 from h2o_kv.runtime.request import Request
 from h2o_kv.runtime.scheduler import Scheduler
@@ -53,7 +53,7 @@ class EagerSteps:
         if token is None:
             return
         if self._push(request, token):
-            request.cache_stats = record_of(cache, 0)
+            record(request, cache, 0)
             runs.keep(request, cache)
             runs.trim()
             return
@@ -71,14 +71,14 @@ class EagerSteps:
                 self.finish(request, "error", f"{type(err).__name__}: {err}")
             return
         self.held()
-        argmax = logits.argmax(-1)
+        argmax = logits.argmax(-1)  # every cache row's, free ones' too (`Batch.in_place`): the next step's input
         greedy = argmax.tolist()
-        tokens = [greedy[i] if r.sampling.greedy else self._sample(r, logits[i]) for i, r in enumerate(rows)]
+        tokens = [greedy[k] if r.sampling.greedy else self._sample(r, logits[k]) for r, k in zip(rows, batch.rows)]
         finished = [i for i, (r, token) in enumerate(zip(rows, tokens)) if token is None or self._push(r, token)]
         for i in finished:
             if tokens[i] is not None:
                 batch.record(i)
-                runs.keep(rows[i], batch.cache, i)  # before its row is freed
+                runs.keep(rows[i], batch.cache, batch.rows[i])  # before its row is freed
         batch.advance(tokens, argmax if all(r.sampling.greedy for r in rows) else None)
         if finished:
             runs.leave(policy, finished)

@@ -217,8 +217,8 @@ def test_layer_on_the_triton_kernels_matches_the_reference(monkeypatch, name, sc
 
 @pytest.mark.parametrize("kv_dtype", [None, "int8"])
 def test_steady_steps_on_the_triton_kernels_equal_the_torch_steps(monkeypatch, kv_dtype):
-    """Decode steps of full layers on `decode_evict` (which writes the new token itself into float storage; int8
-    storage is written by `_write` first) against the same steps in torch: the logits and the kept positions."""
+    """Decode steps of full layers on `decode_evict` (which writes the new token itself, int8 storage's quantized
+    with its scales) against the same steps in torch: the logits and the kept positions."""
     if not interpreted():
         pytest.skip("CPU tensors reach the Triton kernels only under the interpreter (test_cuda.py covers CUDA)")
     model = make_model("llama")

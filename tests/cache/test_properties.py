@@ -69,6 +69,11 @@ def spec(policy) -> tuple[str, callable]:
         return "local", lambda length: (tokens(policy.window, length), {})
     if isinstance(policy, h2o_kv.TOVA):
         return "tova", lambda length: (tokens(policy.budget, length), {})
+    if isinstance(policy, h2o_kv.KeyDiff):  # the newest min(recent, ceil(capacity / 2)) kept
+        return "keydiff", lambda length: (
+            tokens(policy.budget, length),
+            {"recent": min(policy.recent, math.ceil(tokens(policy.budget, length) / 2))},
+        )
     if policy.budget is None:
         return "streaming", lambda length: (policy.sinks + policy.window, {"sinks": policy.sinks})
     return "streaming", lambda length: (
@@ -89,13 +94,14 @@ bounded_policies = st.one_of(
     st.builds(h2o_kv.StreamingLLM, sinks=st.integers(0, 4), window=counts),
     st.builds(h2o_kv.StreamingLLM, sinks=st.integers(0, 4), budget=sizes),
     st.builds(h2o_kv.TOVA, budget=sizes),
+    st.builds(h2o_kv.KeyDiff, budget=sizes, recent=st.integers(0, 4)),
 )
 
 
 @st.composite
 def layer_cases(draw):
     policy = draw(bounded_policies)
-    if draw(st.booleans()):
+    if not policy.needs_keys and draw(st.booleans()):  # AdaKV refuses a ranking by each head's keys (KeyDiff)
         policy = h2o_kv.AdaKV(policy)  # the layer's heads share heads x capacity slots (pooled.py)
     batch = draw(st.integers(1, 3))
     kv_heads = draw(st.sampled_from([1, 2]))
@@ -213,6 +219,9 @@ FIELDS = {
     "StreamingLLM.window": (lambda x: h2o_kv.StreamingLLM(window=x), "window", lambda x: valid_count(x, False), False),
     "StreamingLLM.budget": (lambda x: h2o_kv.StreamingLLM(budget=x), "budget", valid_size, False),
     "TOVA.budget": (lambda x: h2o_kv.TOVA(budget=x), "budget", valid_size, False),
+    "KeyDiff.budget": (lambda x: h2o_kv.KeyDiff(budget=x), "budget", valid_size, False),
+    "KeyDiff.recent": (lambda x: h2o_kv.KeyDiff(budget=8, recent=x), "recent", lambda x: valid_count(x, True), False),
+    "KVzip.budget": (lambda x: h2o_kv.KVzip(budget=x), "budget", valid_size, False),
     "build.budget": (lambda x: policies.build("tova", x), "budget", valid_size, False),
     "KVCache.prefill_chunk": (
         lambda x: h2o_kv.KVCache(h2o_kv.Full(), prefill_chunk=x),
@@ -280,6 +289,7 @@ def llama():
     policy=st.one_of(
         st.builds(h2o_kv.H2O, heavy=st.integers(0, 4), recent=st.integers(1, 4)),
         st.builds(h2o_kv.TOVA, budget=st.integers(1, 6)),
+        st.builds(h2o_kv.KeyDiff, budget=st.integers(1, 6), recent=st.integers(0, 3)),
         st.builds(h2o_kv.StreamingLLM, sinks=st.integers(0, 2), window=st.integers(1, 4)),
         st.builds(h2o_kv.SnapKV, budget=st.integers(1, 8), window=st.integers(1, 4), pool=st.sampled_from([1, 3])),
         st.builds(lambda h, r: h2o_kv.AdaKV(h2o_kv.H2O(heavy=h, recent=r)), st.integers(0, 4), st.integers(1, 4)),

@@ -17,6 +17,7 @@ POLICIES = [
     lambda: h2o_kv.H2O(heavy=6, recent=6),
     lambda: h2o_kv.SnapKV(budget=10),
     lambda: h2o_kv.TOVA(budget=10),
+    lambda: h2o_kv.KeyDiff(budget=10),
     lambda: h2o_kv.AdaKV(h2o_kv.SnapKV(budget=10)),
     lambda: h2o_kv.Full(),
 ]
@@ -32,7 +33,7 @@ def greedy(model, cache, logits, start: int, steps: int) -> tuple[list[int], tor
     return tokens, out
 
 
-@pytest.mark.parametrize("make", POLICIES, ids=["h2o", "snapkv", "tova", "adakv", "full"])
+@pytest.mark.parametrize("make", POLICIES, ids=["h2o", "snapkv", "tova", "keydiff", "adakv", "full"])
 def test_a_fork_goes_on_as_the_original_would_and_shares_nothing(llama, make):
     ids = random_ids(2, 40, seed=3)
     cache = h2o_kv.KVCache(make())

@@ -40,7 +40,7 @@ def test_int8_logits_close_to_float_storage(arch, policy):
         assert torch.equal(a.pos.sort(-1).values, b.pos.sort(-1).values)
 
 
-@pytest.mark.parametrize("name", ["h2o", "local", "streaming", "tova", "adakv"])
+@pytest.mark.parametrize("name", ["h2o", "local", "streaming", "tova", "keydiff", "adakv"])
 @pytest.mark.parametrize("chunks", [[1] * 16, [16], [7, 1, 1, 5, 1, 1]], ids=["steps", "one_call", "mixed"])
 def test_int8_layer_equals_float_layer_on_the_quantized_values(name, chunks):
     """The only difference int8 storage makes is the rounding of keys and values: a float layer fed

@@ -10,6 +10,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 import httpx  # noqa: E402
+import torch  # noqa: E402
 
 from h2o_kv import policies  # noqa: E402
 from h2o_kv.cache.kvcache import KVCache  # noqa: E402
@@ -311,3 +312,29 @@ def test_a_fraction_that_keeps_few_tokens_is_said_in_the_response(server) -> Non
         streamed.read()
     tokens = httpx.post(f"{url}/v1/completions", json={**body, "kv_budget": 64}, timeout=60)
     assert "kv_warning" not in tokens.json() and "X-KV-Warning" not in tokens.headers
+
+
+def test_kv_inspect_returns_the_kept_map_with_the_answer(server, api, model, tokenizer) -> None:
+    """`kv_inspect: true` adds the cache's kept map over the prompt (`KeptMap.summary`): the same map the model loop's
+    own cache reports after the same prompt and tokens; absent by default, and refused with a stream."""
+    from h2o_kv.runtime.generation import greedy_continue, prefill
+
+    messages = [{"role": "user", "content": " ".join([PROMPT] * 6)}]
+    ask = {"model": MODEL, "messages": messages, "max_tokens": 5, "temperature": 0}
+    extra = {"kv_policy": "h2o", "kv_budget": 24, "ignore_eos": True}
+    plain = api.chat.completions.create(**ask, extra_body=extra)
+    assert "kv_inspect" not in (plain.model_extra or {})
+    reply = api.chat.completions.create(**ask, extra_body={**extra, "kv_inspect": True})
+    got = reply.model_extra["kv_inspect"]
+    assert reply.choices[0].message.content == plain.choices[0].message.content
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    assert got["prompt_tokens"] == reply.usage.prompt_tokens == len(ids) and got["seen_tokens"] == len(ids) + 4
+    cache = KVCache(policies.build("h2o", 24), prompt_len=len(ids))
+    logits = prefill(model, cache, torch.tensor([ids]), chunk=32)  # the server's prefill_chunk
+    greedy_continue(model, cache, logits, len(ids), 5)
+    assert got == cache.kept_map().summary(len(ids))
+    assert got["kept_tokens"] == 24 and len(got["position_kept_fraction"]) == len(ids) and got["layers"] == 2
+    streamed = httpx.post(f"{server[1]}/v1/chat/completions", json={**ask, **extra, "kv_inspect": True,
+                                                                      "stream": True}, timeout=60)  # fmt: skip
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "kv_inspect"

@@ -247,7 +247,7 @@ def _completion_routes(app: FastAPI, engine, tokenizer, metrics: ServerMetrics, 
         try:
             req = engine.submit(
                 ids, max_tokens=job.max_tokens, sampling=sampling, stop=stop, policy=job.policy,
-                ignore_eos=body.ignore_eos, on_event=events.put,
+                ignore_eos=body.ignore_eos, on_event=events.put, kv_inspect=body.kv_inspect,
             )  # fmt: skip
         except ValueError as err:  # too long for the context (ContextTooLong) or the KV memory (KVMemoryExceeded)
             raise refusal(err, prompt_param=prompt_param) from None
@@ -271,6 +271,9 @@ def _completion_routes(app: FastAPI, engine, tokenizer, metrics: ServerMetrics, 
         reply = build(rid, model_name, text, finish, use)
         if warning is not None:  # an extra field: OpenAI clients keep it (the Python client in `model_extra`)
             reply["kv_warning"] = warning
+        if body.kv_inspect:  # an answer's map is recorded by the engine just after its last token's event
+            stats = await asyncio.to_thread(req.stats, 30.0) if finish in ("stop", "length") else {}
+            reply["kv_inspect"] = stats.get("kept_map")
         return JSONResponse(reply, headers=warned)
 
 

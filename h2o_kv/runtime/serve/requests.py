@@ -99,6 +99,9 @@ def resolve(engine, body, ids: list[int], limits: Limits = DEFAULT_LIMITS, *, pr
         raise refusal(err, prompt_param=prompt_param) from None
     except (ValueError, TypeError) as err:  # a policy's own check of the size the budget gave it
         raise ApiError(400, f"kv_budget: {err}", param="kv_budget") from None
+    if body.kv_inspect and body.stream:
+        raise ApiError(400, "kv_inspect: the kept map comes with a whole answer; set stream to false",
+                       param="kv_inspect")  # fmt: skip
     if limits.max_prompt_tokens is not None and len(ids) > limits.max_prompt_tokens:
         raise ApiError(400, f"the prompt has {len(ids)} tokens; this server takes at most {limits.max_prompt_tokens} "
                        "(--max-prompt-tokens)", param="prompt", code="prompt_too_long")  # fmt: skip

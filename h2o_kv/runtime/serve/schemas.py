@@ -40,6 +40,8 @@ class _Request(BaseModel):
     kv_policy: str | None = Field(None, description="h2o, local, streamingllm, tova or full (h2o-kv extension)")
     kv_budget: str | float | int | None = Field(None, description="tokens (64) or a prompt fraction (0.2 or '20%')")
     ignore_eos: StrictBool = False  # generate exactly max_tokens (benchmarks; as vLLM's extension)
+    # the reply's `kv_inspect`: which cached rows still held each prompt position at the end (`KeptMap.summary`)
+    kv_inspect: StrictBool = Field(False, description="return the kept map with the answer (h2o-kv extension)")
 
     @field_validator("n")
     @classmethod

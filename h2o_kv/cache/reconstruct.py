@@ -1,0 +1,145 @@
+"""KVzip's context-reconstruction pass over a cache (Kim et al., 2025, arXiv 2505.23416): hold, score, rank.
+
+A policy that `reconstructs` (KVzip) ranks a context by how much the model needs each token to repeat it, which
+no prompt's own attention says. `KVCache.reconstruction()` gives the pass; `h2o_kv.compress` (runtime/compress.py)
+drives it:
+
+    with cache.reconstruction() as rec:
+        model(context, past_key_values=cache)        # 1. held: every token kept, unscored, nothing evicted
+        for piece in pieces:                          # "Repeat the previous context exactly." + a chunk of it
+            with rec.scoring():
+                model(piece, past_key_values=cache)   # 2. a scoring call: attended, scored, then dropped
+    # 3. leaving the block: each (sequence, KV head) keeps its capacity of best-scored tokens (the policy's rule)
+
+A scoring call's n new tokens take the next n free slots at the positions after the context (every call starts
+there again: the pieces are not part of the sequence) and attend to the kept tokens and causally to each other,
+as a prompt's tokens do (`attend_peak`). Each kept slot's score becomes the most attention it has received from
+any query of the pass, over its group's query heads (KVzip's max). The call's slots are then emptied and the
+layer's counts (`used`, `kept_bound`, `seen`, `next_pos`) are as before it, so the cache holds at most the context
+plus one piece: the pass's extra memory is a chunk, not a second copy of the context, and it costs about one more
+prefill. KVzip's own code normalises a chunk's probabilities over that chunk's slice of the context (and a few
+sinks) for speed; here they are the model's own attention probabilities, over everything a query sees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from h2o_kv.cache.attend import (
+    DEVICE_QUERY_BLOCK_ELEMENTS,
+    QUERY_BLOCK_ELEMENTS,
+    Slots,
+    compute_dtype,
+    hidden,
+    stored_as,
+)
+
+
+class Reconstruction:
+    """The pass over one cache: its `settings` (the layers find the pass there) and its `layers` (the list the
+    cache fills as the model calls it). A context manager; `scoring()` marks the calls that score."""
+
+    def __init__(self, settings, layers: list) -> None:
+        policy = settings.policy
+        if not policy.reconstructs:
+            raise ValueError(
+                f"{policy.describe()} ranks a prompt by its own attention: feed the context to the model with "
+                "KVCache(policy); a reconstruction pass is KVzip's (h2o_kv.KVzip)"
+            )
+        if settings.reconstruction is not None:
+            raise ValueError("this KVCache is already in a reconstruction pass")
+        if any(layer.is_initialized and layer.seen for layer in layers):
+            raise ValueError("a reconstruction pass starts from an empty KVCache: use a new one")
+        self.settings, self.layers = settings, layers
+        self.scoring_now = False
+        self.windows: dict[int, int | None] = {}  # each layer's sliding window (None: full attention)
+
+    def __enter__(self) -> Reconstruction:
+        for layer in self.layers:
+            layer.reset()  # initialised by a refused call, perhaps for another batch: nothing seen
+        self.settings.reconstruction = self
+        return self
+
+    def __exit__(self, kind, error, trace) -> None:
+        self.settings.reconstruction = None
+        if kind is not None:  # a failed pass leaves an empty cache, never an unranked one over its capacity
+            for layer in self.layers:
+                layer.reset()
+            return
+        for layer in self.layers:
+            if layer.is_initialized:  # ranked as after a prompt (`added` > 1): the capacity's best, then compacted
+                layer._evict(layer.next_pos, self.windows.get(layer.layer_idx), max(2, layer.kept_bound))
+
+    @contextmanager
+    def scoring(self) -> Iterator[Reconstruction]:
+        """The calls inside score the held context and are not kept."""
+        if not self.layers or not all(layer.is_initialized and layer.seen for layer in self.layers):
+            raise ValueError("a reconstruction pass holds its context first: feed it to the model before scoring")
+        for layer in self.layers:
+            layer.decoded = True  # the context was the whole prompt: a fraction budget is final
+        self.scoring_now = True
+        try:
+            yield self
+        finally:
+            self.scoring_now = False
+
+    def attention(self, layer, query: torch.Tensor, attention_mask: torch.Tensor | None, *, scaling: float,
+                  window: int | None, softcap: float | None) -> torch.Tensor | None:  # fmt: skip
+        """`layer`'s call in the pass: the output [B, n, Hq, D] of a scoring call, None for a held one (the layer's
+        own path, without scores or eviction)."""
+        self.windows[layer.layer_idx] = window
+        if not self.scoring_now:
+            return None
+        keys, values = layer.pending
+        layer.pending = None
+        batch, n = query.shape[0], query.shape[2]
+        if n < 2:
+            raise ValueError("a scoring call brings a reconstruction prompt and its chunk: at least 2 new tokens")
+        real, _ = layer.settings.padding.real_tokens(attention_mask, batch, n, query.device)
+        qpos = torch.where(real, layer.next_pos.view(batch, 1) + real.cumsum(1) - 1, -1)
+        used, bound = layer.used, layer.kept_bound
+        first = layer._insert(keys, values, qpos)  # in order after every used slot (n > 1)
+        kv = Slots(layer.keys, layer.values, layer.pos, layer.key_scale, layer.value_scale, layer.head,
+                   layer.query_head)  # fmt: skip
+        x = query.to(compute_dtype(query.dtype, query.device))
+        out, peak = attend_peak(x, kv, qpos, width=layer.used, scaling=scaling, window=window, softcap=softcap)
+        layer.score[..., :first] = torch.maximum(layer.score[..., :first], peak[..., :first])
+        for name, empty in (("pos", -1), ("score", 0.0), ("last", 0.0)):  # the call's tokens are not kept
+            if getattr(layer, name) is not None:
+                getattr(layer, name)[..., first : layer.used] = empty
+        layer.used, layer.kept_bound = used, bound
+        return out.to(query.dtype)
+
+
+def attend_peak(q: torch.Tensor, kv: Slots, qpos: torch.Tensor, *, width: int, scaling: float, window: int | None,
+                softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Attention of queries q [B, Hq, n, D] at positions qpos [B, n] (-1: padding) over the first `width` slots of
+    `kv` (each sees the slots at positions <= its own, as `attend.hidden` says): the output [B, n, Hq, D] and, per
+    slot, the most probability any query of the group gave it, [B, H, width] float32. Queries go in blocks, so no
+    [n x width] matrix of every head is materialised."""
+    keys, values = stored_as(kv, q.dtype)
+    keys, values = keys[:, :, :width], values[:, :, :width]
+    batch, q_heads, n, dim = q.shape
+    kv_heads = keys.shape[1]
+    group = q_heads // kv_heads
+    q = (q * scaling).view(batch, kv_heads, group, n, dim)
+    elements = QUERY_BLOCK_ELEMENTS if q.device.type == "cpu" else DEVICE_QUERY_BLOCK_ELEMENTS
+    block = max(1, elements // max(1, batch * q_heads * width))
+    peak = torch.zeros(batch, kv_heads, width, dtype=torch.float32, device=q.device)
+    outputs = []
+    for start in range(0, n, block):
+        stop = min(n, start + block)
+        logits = torch.matmul(q[:, :, :, start:stop].reshape(batch, kv_heads, -1, dim), keys.mT)
+        logits = logits.view(batch, kv_heads, group, stop - start, width).float()
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        logits.masked_fill_(hidden(kv, qpos, window, start, stop, width), float("-inf"))
+        probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # a padding query sees nothing
+        torch.maximum(peak, probs.amax(dim=(2, 3)), out=peak)
+        out = torch.matmul(probs.view(batch, kv_heads, -1, width).to(values.dtype), values)
+        outputs.append(out.view(batch, q_heads, stop - start, values.shape[-1]))
+    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+    return out.transpose(1, 2).contiguous(), peak

@@ -1,0 +1,60 @@
+"""KVzip (Kim et al., 2025, "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction",
+arXiv 2505.23416).
+
+Query-agnostic: a context is compressed before its question is known by asking the model to repeat it. After the
+context is prefilled whole, "Repeat the previous context exactly." and the context again are fed in chunks
+(`h2o_kv.compress`, runtime/compress.py); each chunk attends to the kept context and causally to itself and is
+then dropped (cache/reconstruct.py). A context token's score is the most attention it received from those
+reconstruction queries (the max over the queries and the group's query heads): the tokens the model needs to
+rebuild the context. Each (sequence, KV head) then keeps its capacity of best-scored context tokens.
+
+Decoding afterwards holds the capacity as H2O does: scores keep accumulating the attention each token receives
+(on top of its reconstruction score; a new token starts at 0), the newest min(`recent`, ceil(budget / 2)) tokens
+that came after the context are kept, and the lowest score among the others goes first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from h2o_kv.policies.base import Policy, SlotState, check_budget, check_size, per_prompt, tokens_of
+
+
+@dataclass(frozen=True)
+class KVzip(Policy):
+    """Context-reconstruction scores (through `h2o_kv.compress`), then H2O-style accumulation while decoding.
+
+    `budget`: tokens per (sequence, KV head), or a float fraction of the context.
+    """
+
+    budget: int | float
+    recent: int = 8
+    needs_scores = True
+    reconstructs = True
+
+    def __post_init__(self) -> None:
+        check_size("budget", self.budget, required_by="KVzip")
+        check_budget("recent", 0 if self.recent is None else self.recent, allow_zero=True)
+        if self.recent is None:
+            raise TypeError("recent must be an int (0 keeps no newest tokens), got None")
+
+    def capacity(self, prompt_len: torch.Tensor) -> torch.Tensor | None:
+        return tokens_of(self.budget, prompt_len)
+
+    def split(self, prompt_len: torch.Tensor) -> torch.Tensor:
+        """The newest tokens after the context kept whatever their score: min(recent, ceil(capacity / 2))."""
+        total = tokens_of(self.budget, prompt_len)
+        return (total - total // 2).clamp(max=self.recent)
+
+    def priority(self, state: SlotState) -> torch.Tensor:
+        return torch.where(state.pos >= state.next_pos - self.protected_recent(state), float("inf"), state.score)
+
+    def protected_recent(self, state: SlotState) -> torch.Tensor:
+        # the newest tokens, but none of the context (`prompt_len`): compression is the pure top-capacity by score
+        after_context = (state.next_pos - state.prompt_len).clamp(min=0)
+        return torch.minimum(per_prompt(state, "recent", self.split), after_context)
+
+    def describe(self) -> str:
+        return f"KVzip(budget={self.budget:g}, recent={self.recent})"

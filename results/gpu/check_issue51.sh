@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Issue 51's checks on a lent GPU, run by the device tool from the repository root: `bash results/gpu/check_issue51.sh`.
+# 1. results/gpu/check_issue51.py: the engine with rows in place and captured steps against eager runs (the same
+#    tokens), `decode_evict` with a capacity per row (counted), ms per steady step: torch fallback / kernel / graph;
+# 2. the Triton kernels' tests with mixed budgets and the steady steps (tests/backends/test_triton_budgets.py,
+#    test_triton.py) on the GPU.
+# Variables: TESTS=0 skips 2; CHECK_TIMEOUT, TEST_TIMEOUT (seconds). Uses .whl/*.whl (a transformers wheel, carried
+# beside the tree) where present. Writes to $OUT: machine.txt, issue51.jsonl, check.log, pytest.txt.
+set -o pipefail
+OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
+  git log -1 --format='%h %s' 2>/dev/null; git status --short 2>/dev/null | head -20
+} 2>&1 | tee "$OUT/machine.txt"
+timeout ${CHECK_TIMEOUT:-300} python3 results/gpu/check_issue51.py --out "$OUT" 2>"$OUT/check.log" | cut -c1-600
+if [ "${TESTS:-1}" = 1 ]; then
+  timeout ${TEST_TIMEOUT:-150} python3 -m pytest -v -p no:cacheprovider -rf -n 8 --tb=short --maxfail=8 \
+    tests/backends/test_triton_budgets.py tests/runtime/test_captured_steps.py \
+    "tests/backends/test_triton.py::test_decode_evict_matches_the_torch_step" \
+    "tests/backends/test_triton.py::test_decode_kernel_matches_literal_attention" \
+    2>&1 | tee "$OUT/pytest.txt" | grep -E "FAILED|ERROR|[0-9]+ (passed|failed)"
+fi

@@ -1,0 +1,82 @@
+"""`CapturedSteps` (captured.py): when a batch's decode step is recorded and when it is replayed, checked on a CPU
+with a stand-in for CUDA graphs (each replay runs the step again). The graphs themselves run on a GPU
+(the last test here, and results/gpu/check_issue51.py)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from h2o_kv.backends import native
+from h2o_kv.runtime.captured import CapturedSteps
+from h2o_kv.runtime.engine import Engine
+
+from conftest import make_model, make_tokenizer, random_ids
+
+
+class Rerun:
+    """Records nothing: a replay runs the step eagerly into the recording's output; notes each recording's cache and
+    bucket (rows)."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[int, int]] = []
+
+    def record(self, step, cache):
+        self.records.append((id(cache), cache.batch_size))
+        out = step()
+        return (lambda: out.copy_(step())), out
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    return random_ids(1, length, seed=seed)[0].tolist()
+
+
+@pytest.mark.filterwarnings("ignore:.* too few for coherent text")
+def test_a_batch_is_recorded_once_per_bucket_and_replayed_across_joins_and_leaves(monkeypatch):
+    """Ten requests, at most four running, rows in place, on the torch steps a GPU runs (no C++ kernels): a batch's
+    step is recorded once per bucket it reaches (requests joining free rows and leaving them replay the same
+    recording), most steady steps are replays, and every request's tokens equal its eager solo run's."""
+    monkeypatch.setattr(native, "resolve", lambda compile_kernel: False)
+    model, tokenizer = make_model("llama"), make_tokenizer()
+    requests = [(prompt(12 + 2 * i, seed=i), 8 + 3 * (i % 4)) for i in range(10)]
+    eager = Engine(model, tokenizer, max_batch=4, prefill_chunk=16, policy="h2o", budget=0.3)
+    solo = [eager.generate(ids, max_tokens=n).token_ids for ids, n in requests]
+    engine = Engine(model, tokenizer, max_batch=4, prefill_chunk=16, policy="h2o", budget=0.3, rows_in_place=True)
+    graphs = Rerun()
+    engine._steps = steps = CapturedSteps(model, eos=engine.eos, prefill_chunk=16, held=engine._note_peaks,
+                                          graphs=graphs)  # fmt: skip
+    handles = [engine.submit(ids, max_tokens=n) for ids, n in requests]
+    engine.run()
+    assert [h.result().token_ids for h in handles] == solo
+    assert steps.captured == len(graphs.records) >= 1
+    assert len(set(graphs.records)) == len(graphs.records)  # never twice for one batch and bucket
+    assert steps.replayed >= 5 * steps.captured
+
+
+def test_captured_steps_need_a_gpu():
+    with pytest.raises(ValueError, match="need a model on a GPU"):
+        Engine(make_model("llama"), make_tokenizer(), captured_steps=True)
+    assert type(Engine(make_model("llama"), make_tokenizer())._steps).__name__ == "EagerSteps"  # a CPU: eager
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.filterwarnings("ignore:.* too few for coherent text")
+def test_on_a_gpu_the_engine_replays_cuda_graphs_with_the_eager_tokens():
+    """On a GPU the engine keeps rows in place and replays each batch's recorded step by default: the tokens of the
+    same engine with eager steps, most steady steps replayed; the recordings go with their batches."""
+    model, tokenizer = make_model("llama").cuda(), make_tokenizer()
+    requests = [(prompt(12 + 3 * i, seed=i), 10 + 3 * (i % 4)) for i in range(10)]
+    runs = []
+    for captured in (False, True):
+        engine = Engine(model, tokenizer, max_batch=4, prefill_chunk=16, policy="h2o", budget=0.3,
+                        captured_steps=captured)  # fmt: skip
+        handles = [engine.submit(ids, max_tokens=n, ignore_eos=True) for ids, n in requests]
+        engine.run()
+        runs.append([h.result().token_ids for h in handles])
+    assert engine.rows_in_place and isinstance(engine._steps, CapturedSteps)
+    assert engine._steps.captured >= 1 and engine._steps.replayed >= 3 * engine._steps.captured
+    assert runs[1] == runs[0]
+    gc.collect()
+    assert len(engine._steps.recorded) == 0  # a recording goes with its batch's cache

@@ -37,6 +37,13 @@ def test_a_taken_port_is_one_line_and_exit_2_before_the_model_loads(no_loading, 
     ]
 
 
+def test_a_policy_the_engine_cannot_run_is_one_line_and_exit_2_before_the_model_loads(no_loading, capsys):
+    code = cli.main(["serve", "--port", "0", "--policy", "kvzip", "--budget", "0.2"])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == "" and len(captured.err.splitlines()) == 1
+    assert "KVzip" in captured.err and "keydiff" in captured.err
+
+
 def test_the_start_up_line_names_model_policy_budget_and_kv_memory(monkeypatch):
     """`serve` hands the server a line naming what it serves with (the run is stopped there)."""
     tokenizer = bundled_tokenizer()

@@ -11,9 +11,15 @@ ids in one call, question and answer prefix included), the gold answers with the
 (the scorer copied as data), the generation length, the needle depth and h2o-kv's budget in tokens
 at each fraction (``budget_tokens(f, context_tokens)``, per sequence and KV head).
 
-Samples are the ones h2o-kv's study builds: `make_dataset` with the seed scheme of the retrieval
-runner (`retrieval.make_samples`: task k of ``ruler.TASKS`` gets ``seed + 1000 * k``) and needle
-depths ``(i + 0.5) / n``.
+Samples are the ones h2o-kv's study builds (`retrieval.make_samples`: task k of ``ruler.TASKS +
+ruler.RULER_TASKS`` gets ``seed + 1000 * k``; the older needle tasks' depths are ``(i + 0.5) / n``).
+
+RULER's thirteen tasks (``--tasks ruler`` or names such as ``niah_single_1,vt,qa_1``; issue 52) also carry their
+split: ``context_ids`` and ``question_ids`` (the question and RULER's answer prefix), with ``input_ids`` exactly the
+two joined, so run_kvpress.py's ``--setting query-agnostic`` compresses the context alone and feeds the question
+after it, kvpress's own default, on the same ids as h2o-kv's ``--setting query-agnostic``. Their h2o-kv budgets are
+fractions of what is compressed: ``h2o_kv_budget_tokens`` of the whole prompt (query-aware) and
+``h2o_kv_budget_tokens_agnostic`` of the context; give them ``--gen-cap 0`` for RULER's answer lengths.
 
 ``--check RESULTS.json`` instead re-scores the predictions cached by run_kvpress.py with h2o-kv's own
 `h2o_kv.studies.eval.ruler.score` and fails if any score differs from the one run_kvpress.py recorded.
@@ -31,24 +37,16 @@ from h2o_kv.policies import budget_tokens
 from h2o_kv.runtime.bundled import BUNDLED_NAME
 from h2o_kv.runtime.models import cache_dir
 from h2o_kv.studies.data import load_corpus
-from h2o_kv.studies.eval.ruler import TASKS, Sample, hf_tokenizer_len, make_dataset, max_new_tokens, score
+from h2o_kv.studies.eval.retrieval import make_samples
+from h2o_kv.studies.eval.ruler import RULER_TASKS, Sample, max_new_tokens, score
+from h2o_kv.studies.eval.ruler_fit import split_ids
 
-NEEDLE_TASKS = ("passkey", "niah_single", "niah_multikey")
-SHORT = {"niah_single": "niah", "passkey": "passkey", "variable_tracking": "vt"}
+SHORT = {"niah_single": "niah", "passkey": "passkey", "variable_tracking": "vt", **{t: t for t in RULER_TASKS}}
 
 
 def samples_for(tokenizer, haystack: str, task: str, context: int, n: int, seed: int) -> list[Sample]:
-    """`n` samples of `task`, seeded as the retrieval runner seeds them; needle depths (i + 0.5) / n."""
-    depths = [(i + 0.5) / n for i in range(n)] if task in NEEDLE_TASKS else None
-    return make_dataset(
-        task,
-        n,
-        context,
-        tokenizer_len=hf_tokenizer_len(tokenizer),
-        haystack=haystack,
-        seed=seed + 1000 * TASKS.index(task),
-        depth=depths,
-    )
+    """`n` samples of `task`, seeded as the retrieval runner seeds them (older needle tasks: depths (i + 0.5) / n)."""
+    return make_samples(tokenizer, haystack, tasks=[task], context_tokens=context, n=n, seed=seed)
 
 
 def kv_bytes_per_token(config) -> int:
@@ -65,14 +63,23 @@ def export(args: argparse.Namespace) -> None:
     haystack = load_corpus(args.corpus, max_chars=2_000_000)
     budgets = [float(b) for b in args.budgets.split(",")]
     lines = []
-    for task in args.tasks.split(","):
+    tasks = [t for name in args.tasks.split(",") for t in (RULER_TASKS if name == "ruler" else (name,))]
+    for task in tasks:
         if task not in SHORT:
             raise ValueError(f"--tasks: {task!r} is not one of {sorted(SHORT)}")
         cap = None if args.gen_cap <= 0 else args.gen_cap
         for context in (int(c) for c in args.contexts.split(",")):
             for i, s in enumerate(samples_for(tokenizer, haystack, task, context, args.n, args.seed)):
-                ids = tokenizer(s.prompt)["input_ids"]  # as h2o_kv's retrieval runner encodes prompts
+                context_ids, question_ids = split_ids(tokenizer, s)  # as h2o_kv's retrieval runner encodes prompts
+                ids = context_ids + question_ids
                 new = max_new_tokens(task) if cap is None else min(max_new_tokens(task), cap)
+                split = {}
+                if question_ids:  # RULER's thirteen: budgets of what is compressed, per sample (as kvpress's)
+                    split = {
+                        "context_ids": context_ids,
+                        "question_ids": question_ids,
+                        "h2o_kv_budget_tokens_agnostic": {str(b): budget_tokens(b, len(context_ids)) for b in budgets},
+                    }
                 record = {
                     "id": f"{SHORT[task]}-{context}-{i:02d}",
                     "task": task,
@@ -81,9 +88,10 @@ def export(args: argparse.Namespace) -> None:
                     "prompt": s.prompt,
                     "input_ids": ids,
                     "answers": s.answers,
-                    "metric": "string_match_all",  # ruler.score's metric for every synthetic task
+                    "metric": s.metric,  # ruler.score's metric for the task
                     "max_new_tokens": new,
-                    "h2o_kv_budget_tokens": {str(b): budget_tokens(b, context) for b in budgets},
+                    "h2o_kv_budget_tokens": {str(b): budget_tokens(b, len(ids) if split else context) for b in budgets},
+                    **split,
                     "seed": s.metadata["seed"],
                     "model_dir": str(model_dir),
                     "corpus": args.corpus or "shakespeare (h2o_kv.studies.data default)",
@@ -101,7 +109,8 @@ def check(results_path: str, samples_path: str) -> None:
     samples = {}
     for line in Path(samples_path).read_text().splitlines():
         r = json.loads(line)
-        samples[r["id"]] = Sample(r["prompt"], r["answers"], r["task"], r["context_tokens"], r["depth"])
+        samples[r["id"]] = Sample(r["prompt"], r["answers"], r["task"], r["context_tokens"], r["depth"],
+                                  metric=r.get("metric", "string_match_all"))  # fmt: skip
     cells = json.loads(Path(results_path).read_text())["cells"]
     bad = total = 0
     for cell in cells.values():
@@ -119,7 +128,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="compare/kvpress/samples.jsonl")
     p.add_argument("--model", default=BUNDLED_NAME, help="a bundled model (kvpress loads its converted folder)")
-    p.add_argument("--tasks", default="niah_single,passkey,variable_tracking")
+    p.add_argument("--tasks", default="niah_single,passkey,variable_tracking", help="or 'ruler': RULER's thirteen")
     p.add_argument("--contexts", default="1024,2048")
     p.add_argument("--n", type=int, default=20, help="samples per (task, context length)")
     p.add_argument("--seed", type=int, default=0)

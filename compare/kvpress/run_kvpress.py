@@ -10,11 +10,15 @@ answer prefix) go through the model in ONE forward call with the press hooked in
 compresses the whole prompt (the question's attention counts); the first answer token comes from
 that call's logits; then greedy decoding (no press, as kvpress's pipeline decodes) for the sample's
 ``max_new_tokens``, stopping at EOS. kvpress's own pipeline would instead leave the question out of
-the compression: that is a different (easier) setting, not the one h2o-kv measures.
+the compression: that is ``--setting query-agnostic`` here (RULER's thirteen tasks, issue 52): the press
+compresses the sample's ``context_ids`` alone, then the ``question_ids`` go through the compressed cache in
+a second call without the press (positions after the context's, as kvpress's pipeline numbers them), and
+the answer is decoded from that call's logits. Run each setting into its own ``--out``.
 
 Presses (kvpress defaults otherwise): SnapKV, ExpectedAttention, TOVA, StreamingLLM, ObservedAttention
 (kvpress's H2O-style press; needs eager attention, so it runs on an eager copy of the model) and
-AdaKV(SnapKV), at compression ratios 0.8 and 0.9 (keep 20 % / 10 % of the prompt), plus Full.
+AdaKV(SnapKV), at compression ratios 0.8 and 0.9 (keep 20 % / 10 % of the prompt), plus Full
+(the registry and an h2o-kv-style TOVA variant: press_registry.py).
 
 One prefill serves every press (``--mode shared``, the default): a press compresses a layer's cache
 after that layer's attention has run on the full prompt, so the prefill's hidden states and logits do
@@ -45,52 +49,9 @@ from pathlib import Path
 
 import kvpress
 import torch
-from kvpress import (
-    AdaKVPress,
-    ExpectedAttentionPress,
-    ObservedAttentionPress,
-    SnapKVPress,
-    StreamingLLMPress,
-    TOVAPress,
-)
 from kvpress.presses.base_press import is_prefilling
-from torch.nn import functional as F
+from press_registry import DEFAULT_PRESSES, EAGER, PRESSES
 from transformers import AutoModelForCausalLM, DynamicCache
-
-
-class TOVAPerKVHead(TOVAPress):
-    """kvpress's TOVA with one setting of h2o-kv's: each KV head ranks tokens by its own query group's attention
-    (h2o-kv's TOVA), not by the mean over all of the layer's heads (kvpress's, every head keeping the same tokens).
-    """
-
-    def score(self, module, hidden_states, keys, values, attentions, kwargs):
-        if attentions is not None:
-            weights = attentions[..., -1:, :-1]
-        else:
-            embeddings = kwargs["position_embeddings"]
-            weights = SnapKVPress.compute_window_attention(module, hidden_states, keys, 1, embeddings)
-        batch, kv_heads = keys.shape[:2]
-        scores = weights.reshape(batch, kv_heads, -1, weights.shape[-1]).mean(2)  # [B, kv heads, tokens - 1]
-        return F.pad(scores, (0, 1), value=scores.max().item() + 1)  # the last token kept, as TOVAPress does
-
-
-PRESSES = {
-    "snapkv": lambda r: SnapKVPress(compression_ratio=r),
-    "expected_attention": lambda r: ExpectedAttentionPress(compression_ratio=r),
-    "tova": lambda r: TOVAPress(compression_ratio=r),
-    "streamingllm": lambda r: StreamingLLMPress(compression_ratio=r),
-    "observed_attention": lambda r: ObservedAttentionPress(compression_ratio=r),
-    "adakv_snapkv": lambda r: AdaKVPress(SnapKVPress(compression_ratio=r)),
-    # SnapKV with h2o-kv's settings, one at a time (why the two SnapKVs disagree; not in the default --presses):
-    # h2o-kv observes the last 32 queries (kvpress 64) and pools over 31 tokens (kvpress 5; h2o-kv's pool is a max)
-    "snapkv_window32": lambda r: SnapKVPress(compression_ratio=r, window_size=32),
-    "snapkv_kernel31": lambda r: SnapKVPress(compression_ratio=r, kernel_size=31),
-    "snapkv_window32_kernel31": lambda r: SnapKVPress(compression_ratio=r, window_size=32, kernel_size=31),
-    "tova_per_kv_head": lambda r: TOVAPerKVHead(compression_ratio=r),
-}
-DEFAULT_PRESSES = ("snapkv", "expected_attention", "tova", "streamingllm", "observed_attention", "adakv_snapkv")
-EAGER = {"observed_attention"}
-
 
 # ----------------------------------------------------------------------------------------- scoring
 # h2o_kv.studies.eval.ruler.score, copied (RULER's postprocess + string_match_all / string_match_part);
@@ -208,8 +169,8 @@ def standard_prefill(model, ids: torch.Tensor, press) -> tuple[torch.Tensor, Dyn
 # ------------------------------------------------------------------------------------------- runs
 
 
-def cell_key(press: str, ratio: float | None, task: str, context: int) -> str:
-    return f"{press}|{ratio}|{task}|{context}"
+def cell_key(press: str, ratio: float | None, task: str, context: int, agnostic: bool = False) -> str:
+    return f"{press}|{ratio}|{task}|{context}" + ("|agnostic" if agnostic else "")
 
 
 def configs(names: list[str], ratios: list[float]) -> list[tuple[str, float | None]]:
@@ -226,10 +187,12 @@ def save_state(path: Path, state: dict) -> None:
     os.replace(tmp, path)
 
 
-def run_sample(models: dict, rec: dict, todo: list[tuple[str, float | None]], mode: str, eos: set[int]) -> dict:
-    """{(press, ratio): result} for one sample under every config in `todo`."""
-    ids = torch.tensor([rec["input_ids"]])
+def run_sample(models: dict, rec: dict, todo: list, mode: str, eos: set[int], agnostic: bool = False) -> dict:
+    """{(press, ratio): result} for one sample under every config in `todo`. `agnostic`: the press compresses the
+    context alone; the question (its ids after the context's) is the next call, uncompressed, as kvpress's pipeline."""
+    ids = torch.tensor([rec["context_ids"] if agnostic else rec["input_ids"]])
     n, new = ids.shape[1], rec["max_new_tokens"]
+    question = torch.tensor([rec["question_ids"]]) if agnostic else None
     results = {}
 
     def finish(cfg, model, logits, cache, masks, seconds):
@@ -237,13 +200,19 @@ def run_sample(models: dict, rec: dict, todo: list[tuple[str, float | None]], mo
         set_masks(model, masks)
         t0 = time.perf_counter()
         answered = lambda toks: score(models["tokenizer_decode"](toks), rec["answers"], rec["metric"]) == 1.0  # noqa: E731
-        tokens = decode(model, cache, logits, n, new, eos, answered)
+        start = n
+        if question is not None:  # positions after the context's, as kvpress's pipeline numbers the question
+            start = n + question.shape[1]
+            with torch.no_grad():
+                logits = model(input_ids=question, past_key_values=cache, position_ids=torch.arange(n, start)[None],
+                               logits_to_keep=1).logits[0, -1]  # fmt: skip
+        tokens = decode(model, cache, logits, start, new, eos, answered)
         set_masks(model, None)
         text = models["tokenizer_decode"](tokens)
         results[cfg] = {
             "prediction": text,
             "score": score(text, rec["answers"], rec["metric"]),
-            "prompt_tokens": n,
+            "prompt_tokens": int(ids.shape[1] + (0 if question is None else question.shape[1])),
             **stats,
             "prefill_s": round(seconds, 3),
             "decode_s": round(time.perf_counter() - t0, 3),
@@ -300,6 +269,8 @@ def main() -> None:
         "--task-order", default="niah_single,passkey,variable_tracking", help="which task's samples run first"
     )
     p.add_argument("--mode", choices=("shared", "standard"), default="shared")
+    p.add_argument("--setting", choices=("query-aware", "query-agnostic"), default="query-aware",
+                   help="query-agnostic: compress the context alone, then the question (RULER's 13)")  # fmt: skip
     p.add_argument("--validate", type=int, default=0, help="compare shared vs standard on N samples, then stop")
     p.add_argument("--summarize", action="store_true", help="only rewrite the tables from OUT/results.json")
     args = p.parse_args()
@@ -339,10 +310,13 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     eos_id = records[0]["eos_token_id"]
     eos = set(eos_id if isinstance(eos_id, list) else [eos_id])
+    agnostic = args.setting == "query-agnostic"
+    if agnostic and not all("question_ids" in r for r in records):
+        raise SystemExit("--setting query-agnostic needs samples with question_ids (export RULER's thirteen tasks)")
     models = load_models(records[0]["model_dir"], need_eager=any(n in EAGER for n in names))
     cfgs = configs(names, ratios)
     if args.validate:
-        validate(models, records[: args.validate], cfgs, eos)
+        validate(models, records[: args.validate], cfgs, eos, agnostic)
         return
     state = load_state(state_path)
     state["meta"] = {
@@ -353,16 +327,17 @@ def main() -> None:
         "mode": args.mode,
         "samples": args.samples,
         "model_dir": records[0]["model_dir"],
+        "setting": args.setting,
     }
     done = 0
     start = time.perf_counter()
     for i, rec in enumerate(records):
-        keys = {c: cell_key(c[0], c[1], rec["task"], rec["context_tokens"]) for c in cfgs}
+        keys = {c: cell_key(c[0], c[1], rec["task"], rec["context_tokens"], agnostic) for c in cfgs}
         todo = [c for c in cfgs if rec["id"] not in state["cells"].get(keys[c], {}).get("samples", {})]
         if not todo:
             continue
         began = time.perf_counter()
-        results = run_sample(models, rec, todo, args.mode, eos)
+        results = run_sample(models, rec, todo, args.mode, eos, agnostic)
         seconds = state.setdefault("seconds", {})  # wall time per sample, summed over resumed runs (for summary.md)
         seconds[rec["id"]] = seconds.get(rec["id"], 0.0) + time.perf_counter() - began
         for cfg, res in results.items():
@@ -379,12 +354,12 @@ def main() -> None:
     write_summary(state, records, out)
 
 
-def validate(models: dict, records: list[dict], cfgs: list, eos: set[int]) -> None:
+def validate(models: dict, records: list[dict], cfgs: list, eos: set[int], agnostic: bool = False) -> None:
     """Shared prefill vs one prefill per press: same predictions and cache sizes, or exit 1."""
     bad = 0
     for rec in records:
-        a = run_sample(models, rec, cfgs, "shared", eos)
-        b = run_sample(models, rec, cfgs, "standard", eos)
+        a = run_sample(models, rec, cfgs, "shared", eos, agnostic)
+        b = run_sample(models, rec, cfgs, "standard", eos, agnostic)
         for cfg in cfgs:
             same = all(a[cfg][k] == b[cfg][k] for k in ("prediction", "kv_bytes", "kv_tokens_effective"))
             bad += not same

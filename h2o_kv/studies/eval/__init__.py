@@ -6,8 +6,10 @@ prompt of a task), resolved with `policies.budget_tokens(budget, length)` and bu
 `policies.build`, so every sequence of a task keeps the same number of tokens.
 
 Files: run (orchestration, `run_eval`), sizes (presets), perplexity, retrieval (runs the RULER-style
-tasks that ruler / ruler_build generate), fidelity, summarize, decoding (batched greedy and
-teacher-forced loops), metrics, tables (rows, CSV/JSON, summary.md), plots, cli, lm_eval_adapter.
+tasks that ruler / ruler_build generate, and RULER's thirteen from ruler_tasks: ruler_spec, ruler_fit,
+ruler_niah, ruler_words, ruler_qa, ruler_vocab), shared (one recorded prefill for every policy), fidelity,
+summarize, decoding (batched greedy and teacher-forced loops), metrics, tables (rows, CSV/JSON,
+summary.md), plots, cli, lm_eval_adapter.
 Importing this package needs only the core's dependencies; running it needs the `eval` extra.
 """
 

@@ -6,6 +6,7 @@
     h2o-kv eval --size large --resume             # after an interruption: reuse the finished cells
     h2o-kv eval --tasks perplexity --budgets 64,128,256 --corpus my_texts/
     h2o-kv eval --tasks summarize --data xsum.jsonl
+    h2o-kv eval --model qwen2.5-coder-0.5b --tasks retrieval --size ruler4k --setting both --budgets 0.25
 Also runnable as `python -m h2o_kv.studies.eval.cli ...`.
 """
 
@@ -18,8 +19,18 @@ from collections.abc import Sequence
 from typing import Any
 
 from h2o_kv.studies.eval import parse_budgets
-from h2o_kv.studies.eval.sizes import DEFAULT_BUDGETS, DEFAULT_POLICIES, DEFAULT_TASKS, SIZES, TASKS, check_eval
+from h2o_kv.studies.eval.sizes import (
+    DEFAULT_BUDGETS,
+    DEFAULT_POLICIES,
+    DEFAULT_TASKS,
+    SIZES,
+    TASKS,
+    check_eval,
+    check_retrieval,
+)
 from h2o_kv.studies.report import command_line, extra_installed, run_study, study_parser
+
+SETTINGS = {"query-aware": ("oneshot",), "query-agnostic": ("agnostic",), "both": ("oneshot", "agnostic")}
 
 
 def _budgets(text: str) -> list[float | int]:
@@ -56,16 +67,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="tiny: a first look in under a minute; small: minutes on a CPU; large: the fuller protocol; niah: "
         "needle retrieval, 20 samples per context; ruler: passkey and variable tracking, 20 samples (the kvpress "
         "side by side's); qwen: the real-model study (needle, passkey, variable tracking at 4k and 2k, 20 samples; "
-        "perplexity over 2k windows), for --model qwen2.5-coder-0.5b",
+        "perplexity over 2k windows), for --model qwen2.5-coder-0.5b; ruler4k: RULER's thirteen tasks at 4k, 5 samples "
+        "each, query-aware and query-agnostic (issue 52)",
+    )
+    add(
+        "--setting",
+        default=None,
+        choices=sorted(SETTINGS),
+        help="query-aware: the question inside the compressed prompt (prefill oneshot); query-agnostic: the context "
+        "compressed alone, the question fed after it (prefill agnostic; RULER's thirteen tasks); both (default: the "
+        "size's prefills)",
     )
     add("--mode", default="drop", choices=["drop", "mask"], help="drop frees evicted tokens (faster, same numbers)")
     add("--corpus", default=None, help="text file, directory of *.txt or HF dataset name[:config][:split]")
     add("--data", default=None, help="JSONL with fields document and summary (for --tasks summarize)")
     add("--chunk", type=int, default=None, help="tokens fed between evictions when streaming (1: token by token)")
     add("--contexts", default=None, help="retrieval context lengths, e.g. 1024,2048 (default: the size's)")
-    add("--retrieval-tasks", default=None, help="retrieval tasks, e.g. niah_single,passkey (default: the size's)")
+    add(
+        "--retrieval-tasks",
+        default=None,
+        help="retrieval tasks, e.g. niah_single,passkey, RULER's niah_single_1,vt,qa_1 or 'ruler' for its thirteen "
+        "(default: the size's)",
+    )
     add("--samples", type=int, default=None, help="retrieval samples per task and context (default: the size's)")
-    add("--prefills", default=None, help="retrieval prefill settings: oneshot,stream (default: the size's)")
+    add("--prefills", default=None, help="retrieval prefill settings: oneshot,agnostic,stream (default: the size's)")
     add("--windows", type=int, default=None, help="perplexity text windows (default: the size's)")
     add(
         "--out",
@@ -98,8 +123,15 @@ def main(args: argparse.Namespace) -> int:
     tasks = _subtasks(args.retrieval_tasks)
     if args.samples is not None and args.samples < 1:
         raise ValueError(f"--samples must be at least 1, got {args.samples}")
-    size = SIZES[args.size].with_contexts(_contexts(args.contexts), _prefills(args.prefills), tasks, args.samples)
+    prefills = _prefills(args.prefills)
+    if args.setting is not None:
+        if prefills is not None:
+            raise ValueError("give --setting or --prefills, not both")
+        prefills = SETTINGS[args.setting]
+    size = SIZES[args.size].with_contexts(_contexts(args.contexts), prefills, tasks, args.samples)
     size = size.with_windows(args.windows)
+    if "retrieval" in _list(args.tasks):
+        check_retrieval(size.retrieval)
     if args.out is None:  # a new folder per run: a first try never overwrites the committed results/eval
         args.out = f"eval-runs/{args.size}-{time.strftime('%Y%m%d-%H%M%S')}"
     import torch
@@ -131,13 +163,14 @@ def _contexts(text: str | None) -> tuple[int, ...] | None:
 
 
 def _subtasks(text: str | None) -> tuple[str, ...] | None:
-    from h2o_kv.studies.eval.ruler import TASKS
+    from h2o_kv.studies.eval.ruler import RULER_TASKS, TASKS
 
     if text is None:
         return None
     values = tuple(item.strip() for item in text.split(",") if item.strip())
-    if not values or set(values) - set(TASKS):
-        raise ValueError(f"--retrieval-tasks must be among {','.join(TASKS)}, got {text!r}")
+    values = tuple(t for v in values for t in (RULER_TASKS if v == "ruler" else (v,)))
+    if not values or set(values) - set(TASKS + RULER_TASKS):
+        raise ValueError(f"--retrieval-tasks must be among {','.join(TASKS + RULER_TASKS)} or 'ruler', got {text!r}")
     return values
 
 
@@ -145,8 +178,8 @@ def _prefills(text: str | None) -> tuple[str, ...] | None:
     if text is None:
         return None
     values = tuple(item.strip() for item in text.split(",") if item.strip())
-    if not values or set(values) - {"oneshot", "stream"}:
-        raise ValueError(f"--prefills must be oneshot and/or stream, got {text!r}")
+    if not values or set(values) - {"oneshot", "agnostic", "stream"}:
+        raise ValueError(f"--prefills must be among oneshot, agnostic and stream, got {text!r}")
     return values
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from h2o_kv.policies import is_fraction
+from h2o_kv.studies.eval.ruler_spec import label
 from h2o_kv.studies.eval.tables import PLOT_METRICS, mean, panels
 from h2o_kv.studies.report import pyplot, save_figure
 
@@ -52,7 +53,7 @@ def plot_task(rows: list[dict], task: str, path: Path) -> None:
         ax.set_ylabel(metric)
         if metric == "ppl":
             ax.set_yscale("log")
-        title = f"{key[0]} ({key[1]} prefill)" if task == "retrieval" else metric
+        title = f"{label(key[0])} ({key[1]} prefill)" if task == "retrieval" else metric
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
     axes[0, 0].legend(fontsize=8)

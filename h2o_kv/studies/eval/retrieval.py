@@ -19,9 +19,12 @@ from h2o_kv.policies import Budget
 from h2o_kv.runtime.generation import eos_ids
 from h2o_kv.studies.eval.cells import Cells
 from h2o_kv.studies.eval.decoding import greedy_generate, new_cache
-from h2o_kv.studies.eval.fidelity import encode
 from h2o_kv.studies.eval.ruler import TASKS, Sample, hf_tokenizer_len, make_dataset, max_new_tokens, score
+from h2o_kv.studies.eval.ruler_fit import split_ids
+from h2o_kv.studies.eval.ruler_spec import RULER_TASKS
 from h2o_kv.studies.eval.shared import shared_greedy
+
+SHARED_PREFILLS = ("oneshot", "agnostic")  # the settings run from one recorded prefill per sample (run_shared)
 
 
 def make_samples(
@@ -33,11 +36,18 @@ def make_samples(
     n: int,
     seed: int = 0,
 ) -> list[Sample]:
-    """`n` samples per task at one context length; needle depths sweep evenly over (0, 1)."""
+    """`n` samples per task at one context length; needle depths of the older needle tasks sweep evenly over (0, 1),
+    RULER's thirteen draw theirs from the seed as RULER does. Task k of TASKS + RULER_TASKS gets seed + 1000 k."""
+    from h2o_kv.studies.eval.ruler_tasks import make_ruler_dataset
+
     depths = [(i + 0.5) / n for i in range(n)]
     tok_len = hf_tokenizer_len(tokenizer)
     samples: list[Sample] = []
     for task in tasks:  # a task's samples do not depend on which other tasks run (kvpress gets the same ones)
+        if task in RULER_TASKS:
+            samples += make_ruler_dataset(task, n, context_tokens, tokenizer=tokenizer, haystack=haystack,
+                                          seed=seed + 1000 * (len(TASKS) + RULER_TASKS.index(task)))  # fmt: skip
+            continue
         depth = depths if task in ("passkey", "niah_single", "niah_multikey") else None
         samples += make_dataset(
             task, n, context_tokens, tokenizer_len=tok_len, haystack=haystack, seed=seed + 1000 * TASKS.index(task),
@@ -80,7 +90,7 @@ def run_retrieval(
     """One row per (policy, budget, task): the mean RULER score of the samples (all one context length)."""
     if prefill not in ("oneshot", "stream"):
         raise ValueError(f"prefill must be 'oneshot' or 'stream', got {prefill!r}")
-    prompt_ids = encode(tokenizer, [s.prompt for s in samples])
+    prompt_ids = [c + q for c, q in (split_ids(tokenizer, s) for s in samples)]  # one token sequence per sample
     context = max(s.context_tokens for s in samples)
     new = [answer_tokens(s.task, gen_cap) for s in samples]
     rows = []
@@ -115,9 +125,11 @@ def run_shared(
     mode: Mode = "drop",
     gen_cap: int | None = 32,
     progress: Any = None,
+    agnostic: bool = False,
 ) -> list[dict]:
     """Oneshot rows like `run_retrieval`'s (plus the mean KV bytes kept after the prompt), from one recorded
     prefill per sample replayed into every (policy, budget)'s cache (shared.py); int8 policies run alone.
+    `agnostic`: the context is compressed alone and the question fed after it (RULER's thirteen tasks only).
 
     Each (sample, policy, budget) is a cell of its own, named by the sample's seed, depth and task rather than
     by the study's sizes, so a rerun with more samples, tasks or policies reuses every answer it already has.
@@ -126,18 +138,28 @@ def run_shared(
     eos = eos_ids(model, tokenizer)
     context = max(s.context_tokens for s in samples)
     found: dict[tuple[str, Budget], list[tuple[str, float, int]]] = {run: [] for run in configs}
-    for sample, ids in zip(samples, encode(tokenizer, [s.prompt for s in samples]), strict=True):
+    for sample in samples:
+        context_ids, question_ids = split_ids(tokenizer, sample)
+        if agnostic and not question_ids:
+            raise ValueError(f"task {sample.task!r} has no question part: query-agnostic runs RULER's thirteen tasks "
+                             f"({', '.join(RULER_TASKS)})")  # fmt: skip
+        prompt_ids = context_ids if agnostic else context_ids + question_ids
+        per_sample = bool(sample.question)  # RULER-13: the fraction is of what is compressed, as kvpress sizes it
+        length = len(prompt_ids) if per_sample else context
+        extra = dict(setting="agnostic" if agnostic else "aware", budget_of="compressed") if per_sample else {}
         names = {
             run: dict(kind="retrieval-sample", subtask=sample.task, context=context, depth=sample.depth,
-                      sample_seed=sample.metadata["seed"], answer_cap=gen_cap, mode=mode, policy=run[0], budget=run[1])
+                      sample_seed=sample.metadata["seed"], answer_cap=gen_cap, mode=mode, policy=run[0], budget=run[1],
+                      **extra)
             for run in configs
         }  # fmt: skip
         have = {run: cells.stored(name) for run, name in names.items()}
-        makers = {run: partial(new_cache, run[0], run[1], context, mode=mode) for run in configs if have[run] is None}
+        makers = {run: partial(new_cache, run[0], run[1], length, mode=mode) for run in configs if have[run] is None}
         if makers:
             answers = shared_greedy(
-                model, ids, makers, max_new_tokens=answer_tokens(sample.task, gen_cap), eos=eos,
+                model, prompt_ids, makers, max_new_tokens=answer_tokens(sample.task, gen_cap), eos=eos,
                 done=lambda out, s=sample: score(s, tokenizer.decode(out, skip_special_tokens=True)) == 1.0,
+                question_ids=question_ids if agnostic else (), tokenizer=tokenizer,
             )  # fmt: skip
             for run, (tokens, kv_bytes) in answers.items():
                 text = tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True)

@@ -13,6 +13,11 @@ Task definitions, templates and metrics follow RULER (Hsieh et al. 2024, arXiv 2
   chain that holds the queried value (other chains, if requested, use other values).
 * ``common_words``: a numbered word list where a few words repeat many times; answer: the top-k.
 
+RULER's own thirteen tasks, with its names (``niah_single_1`` ... ``qa_2``, `RULER_TASKS`), come from
+``ruler_tasks.make_ruler_sample`` (generators in ``ruler_niah``, ``ruler_words``, ``ruler_qa``; settings in
+``ruler_spec``); their samples also split the prompt into ``context`` and ``question`` for query-agnostic runs,
+and :func:`score` applies each one's RULER metric (``string_match_part`` for the QA pair).
+
 The filler is real text passed in by the caller (``haystack``); nothing is downloaded. Prompts are
 sized with the caller's ``tokenizer_len`` so they end just below ``context_tokens``, and every prompt
 ends with an answer prefix (stored in ``sample.metadata["answer_prefix"]``) so a greedy continuation
@@ -28,8 +33,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from h2o_kv.studies.eval.ruler_build import Filler, check_depth, common_words, niah, passkey, variable_tracking
+from h2o_kv.studies.eval.ruler_spec import ALL, METRICS, PART, RULER_TASKS, SPECS
 
 __all__ = [
+    "RULER_TASKS",
     "TASKS",
     "TOKENS_TO_GENERATE",
     "Sample",
@@ -39,9 +46,12 @@ __all__ = [
     "max_new_tokens",
     "score",
     "string_match_all",
+    "string_match_part",
 ]
 
 TASKS: tuple[str, ...] = ("passkey", "niah_single", "niah_multikey", "variable_tracking", "common_words")
+# RULER's thirteen tasks with its own names (ruler_spec.py; built by ruler_tasks.make_ruler_sample) come after these
+# five, h2o-kv's first RULER-style set, which keep their prompts and seeds so earlier results stay reproducible.
 
 #: Generation budget per task. niah / vt / cwe are RULER's ``tokens_to_generate``; passkey is not a
 #: RULER task: its 5-digit answer needs ~6 tokens, 16 leaves room (use ~48 with ``value_kind="uuid"``).
@@ -60,7 +70,9 @@ class Sample:
 
     ``prompt`` is context + question + answer prefix; ``context_tokens`` is the requested length bucket
     (the measured prompt length is ``metadata["prompt_tokens"]``, never above it); ``depth`` is the
-    query needle's requested depth in [0, 1] (``None`` for tasks without a single needle).
+    query needle's requested depth in [0, 1] (``None`` for tasks without a single needle). RULER's thirteen
+    tasks also split the prompt: ``context`` (compressed alone when query-agnostic) + ``question`` (RULER's
+    question and answer prefix, fed after it); older tasks leave both empty. ``metric`` is RULER's for the task.
     """
 
     prompt: str
@@ -69,6 +81,9 @@ class Sample:
     context_tokens: int
     depth: float | None
     metadata: dict[str, Any] = field(default_factory=dict)
+    context: str = ""
+    question: str = ""
+    metric: str = ALL
 
 
 # ----------------------------------------------------------------------------------------- scoring
@@ -82,25 +97,37 @@ def string_match_all(pred: str, answers: Sequence[str]) -> float:
     return sum(1.0 for a in answers if a.lower() in p) / len(answers)
 
 
+def string_match_part(pred: str, answers: Sequence[str]) -> float:
+    """RULER ``string_match_part``: 1.0 if any answer is found (case-insensitive substring) in ``pred``, else 0.0."""
+    if not answers:
+        raise ValueError("string_match_part needs at least one answer")
+    p = pred.lower()
+    return max(1.0 if a.lower() in p else 0.0 for a in answers)
+
+
 def score(sample: Sample, prediction: str) -> float:
-    """Score a generated continuation (the text after the prompt) with RULER's ``string_match_all``,
-    the metric of every synthetic task here.
+    """Score a generated continuation (the text after the prompt) with the sample's RULER metric:
+    ``string_match_all`` for every task but RULER's qa_1 / qa_2 (``string_match_part``).
 
     Control characters are turned into newlines first, as RULER's ``postprocess_pred`` does. Any text
     works, but score only the generated continuation: the prompt itself contains the answers.
     """
-    if sample.task not in TASKS:
-        raise ValueError(f"no metric for task {sample.task!r}; known: {TASKS}")
+    if sample.task not in TASKS and sample.task not in SPECS:
+        raise ValueError(f"no metric for task {sample.task!r}; known: {TASKS + RULER_TASKS}")
+    if sample.metric not in METRICS:
+        raise ValueError(f"unknown metric {sample.metric!r}; known: {METRICS}")
     prediction = re.sub(r"[\x00-\x08\x0b-\x1f]", "\n", prediction).strip()
-    return string_match_all(prediction, sample.answers)
+    return (string_match_part if sample.metric == PART else string_match_all)(prediction, sample.answers)
 
 
 def max_new_tokens(task: str) -> int:
     """How many tokens to generate for ``task`` before scoring (see :data:`TOKENS_TO_GENERATE`)."""
+    if task in SPECS:
+        return SPECS[task].tokens
     try:
         return TOKENS_TO_GENERATE[task]
     except KeyError:
-        raise ValueError(f"unknown task {task!r}; known: {sorted(TOKENS_TO_GENERATE)}") from None
+        raise ValueError(f"unknown task {task!r}; known: {sorted(TOKENS_TO_GENERATE) + list(RULER_TASKS)}") from None
 
 
 def hf_tokenizer_len(tokenizer: Any, *, add_special_tokens: bool = True) -> Callable[[str], int]:
@@ -142,6 +169,8 @@ def make_sample(
     ``uncommon_freq`` shape ``common_words`` (``common_freq=None`` scales RULER's 30 down for short
     contexts). The defaults are RULER's.
     """
+    if task in SPECS:
+        raise ValueError(f"{task!r} is one of RULER's thirteen: build it with ruler_tasks.make_ruler_sample")
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; known: {TASKS}")
     if context_tokens <= 0:

@@ -18,7 +18,16 @@ from typing import Any
 from h2o_kv.cache.kvcache import Mode
 from h2o_kv.policies import Budget
 from h2o_kv.studies.eval.cells import Cells, source_digest
-from h2o_kv.studies.eval.sizes import DEFAULT_BUDGETS, DEFAULT_POLICIES, DEFAULT_TASKS, SIZES, Size, check_eval
+from h2o_kv.studies.eval.retrieval import SHARED_PREFILLS
+from h2o_kv.studies.eval.sizes import (
+    DEFAULT_BUDGETS,
+    DEFAULT_POLICIES,
+    DEFAULT_TASKS,
+    SIZES,
+    Size,
+    check_eval,
+    check_retrieval,
+)
 from h2o_kv.studies.eval.tables import COLUMNS, long_rows, summary_markdown
 from h2o_kv.studies.report import environment, write_csv, write_json
 
@@ -63,6 +72,8 @@ def run_eval(
 
     sized = (SIZES[size] if isinstance(size, str) else size).with_chunk(chunk)
     check_eval(tasks, policies, data)
+    if "retrieval" in tasks:
+        check_retrieval(sized.retrieval)
     runs = configs(policies, budgets)
     model_name = getattr(model.config, "_name_or_path", "") or type(model).__name__
     if out_dir is None:  # nothing is stored, so nothing needs a key
@@ -73,10 +84,14 @@ def run_eval(
                         transformers=transformers.__version__)  # fmt: skip
         cells = Cells(Path(out_dir) / "cells", identity, resume=resume)
     retrieval = sized.retrieval
+    shared_passes = max(1, sum(p in SHARED_PREFILLS for p in retrieval.prefills))  # Full runs shared even if streamed
     units = {
         "perplexity": len(runs),
         "retrieval": len(retrieval.contexts)
-        * (retrieval.samples * len(retrieval.tasks) + (len(runs) - 1) * ("stream" in retrieval.prefills)),
+        * (
+            retrieval.samples * len(retrieval.tasks) * shared_passes
+            + (len(runs) - 1) * ("stream" in retrieval.prefills)
+        ),
         "fidelity": len(runs),
         "summarize": len(runs),
     }
@@ -127,8 +142,9 @@ def _perplexity(model, tokenizer, runs: list[Config], size: Size, *, mode, corpu
 
 
 def _retrieval(model, tokenizer, runs: list[Config], size: Size, *, mode, corpus, data, seed, bar, cells) -> list:
-    """Every context length: Full and the oneshot policies from one shared prefill per sample (Full's answers do
-    not depend on the prefill setting), the streamed policies one batched cell each."""
+    """Every context length: Full and the oneshot (query-aware) and agnostic (query-agnostic) policies from one
+    shared prefill per sample and setting (Full's oneshot answers serve the streamed setting too), the streamed
+    policies one batched cell each."""
     from h2o_kv.studies.data import load_corpus
     from h2o_kv.studies.eval.retrieval import make_samples, run_retrieval, run_shared
 
@@ -139,13 +155,16 @@ def _retrieval(model, tokenizer, runs: list[Config], size: Size, *, mode, corpus
         samples = make_samples(tokenizer, haystack, tasks=ret.tasks, context_tokens=context, n=ret.samples, seed=seed)
         setting = dict(task="retrieval", tasks=list(ret.tasks), samples=ret.samples, answer_cap=ret.answer_cap,
                        context=context)  # fmt: skip
-        oneshot = runs if "oneshot" in ret.prefills else runs[:1]
-        shared = run_shared(model, tokenizer, samples, oneshot, cells=cells, mode=mode, gen_cap=ret.answer_cap,
-                            progress=bar)  # fmt: skip
-        full = [r for r in shared if r["policy"] == "full"]
+        shared = {}
+        for prefill in [p for p in SHARED_PREFILLS if p in ret.prefills] or ["oneshot"]:
+            configs = runs if prefill in ret.prefills else runs[:1]
+            shared[prefill] = run_shared(model, tokenizer, samples, configs, cells=cells, mode=mode,
+                                         gen_cap=ret.answer_cap, progress=bar,
+                                         agnostic=prefill == "agnostic")  # fmt: skip
+        full = [r for r in shared.get("oneshot", shared.get("agnostic", [])) if r["policy"] == "full"]
         for prefill in ret.prefills:
-            if prefill == "oneshot":
-                rows += long_rows("retrieval", shared, prefill=prefill, mode=mode, chunk=None)
+            if prefill in SHARED_PREFILLS:
+                rows += long_rows("retrieval", shared[prefill], prefill=prefill, mode=mode, chunk=None)
                 continue
             wide = list(full)
             for run in runs[1:]:

@@ -7,6 +7,14 @@ a long prompt once per (policy, budget) repeats the same work: on a 2-core CPU a
 with a Full `KVCache` whose layers keep each attention call's inputs (queries, keys, values, mask);
 each policy's fresh cache then receives those calls layer by layer (its insert, scoring and eviction,
 exactly what the layer would do inside the model), and decodes its answer greedily on its own cache.
+
+Query-agnostic (`question_ids`): the recorded prompt is the context alone, so each cache compresses the context
+without the question; the question then goes into each cache as a second model call (positions after the context,
+as `KVCache.fork`'s "compress once, ask many" does), and the answer is decoded from that call's logits.
+
+A cache that cannot take the recorded calls reads the prompt itself (`_own_prefill`): int8 storage (its attention
+runs on rounded keys) and a policy that ranks the context by a pass of its own (``policy.reconstructs``: KVzip,
+through `h2o_kv.compress`), so any policy `policies.build` knows is one more entry of a study.
 """
 
 from __future__ import annotations
@@ -84,21 +92,54 @@ def shared_greedy(
     max_new_tokens: int,
     eos: set[int] = frozenset(),
     done: Callable[[list[int]], bool] | None = None,
+    question_ids: Sequence[int] = (),
+    tokenizer: Any = None,
 ) -> dict[Any, tuple[list[int], int]]:
     """Greedy answers of one prompt under each cache of `caches` ({key: a function making a fresh cache}), from
     one recorded prefill, with the bytes each cache's kept tokens hold after the prompt (`kept_nbytes`). Each
     answer stops at EOS (kept), `max_new_tokens` or `done(tokens)`. A cache that cannot replay (int8) reads the
-    prompt itself."""
-    logits, calls = record_prefill(model, prompt_ids)
+    prompt itself (KVzip's pass needs `tokenizer`). With `question_ids` the prompt is compressed alone and the question
+    is each cache's next call (the bytes are still those after the prompt, before the question). The prefill is
+    recorded at the first cache that replays it, so caches that all read the prompt themselves cost no recording."""
+    recorded = None
+    n = len(prompt_ids)
+    question = torch.tensor([list(question_ids)], device=model.device) if question_ids else None
     answers = {}
     for key, make in caches.items():
         cache = make()
         with torch.no_grad():
-            if cache.settings.kv_dtype is None:
-                first = logits
-                replay(cache, calls)
+            if cache.settings.kv_dtype is None and not _reconstructs(cache):
+                recorded = recorded or record_prefill(model, prompt_ids)
+                first = recorded[0]
+                replay(cache, recorded[1])
             else:
-                first = forward(model, cache, torch.tensor([list(prompt_ids)], device=model.device))
+                first = _own_prefill(model, cache, prompt_ids, tokenizer, logits_needed=question is None)
             kv_bytes = cache.kept_nbytes()
-            answers[key] = (greedy_continue(model, cache, first, len(prompt_ids), max_new_tokens, eos, done), kv_bytes)
+            if question is not None:
+                positions = torch.arange(n, n + question.shape[1], device=model.device).unsqueeze(0)
+                first = forward(model, cache, question, positions=positions)
+            start = n + len(question_ids)
+            answers[key] = (greedy_continue(model, cache, first, start, max_new_tokens, eos, done), kv_bytes)
     return answers
+
+
+def _reconstructs(cache: KVCache) -> bool:
+    return bool(getattr(cache.settings.policy, "reconstructs", False))
+
+
+def _own_prefill(model: Any, cache: KVCache, ids: Sequence[int], tokenizer: Any, *, logits_needed: bool):
+    """The prompt read into `cache` by itself: in one call, or by `h2o_kv.compress` for a policy with a pass of its
+    own (the prompt's last token then comes as the next call when its logits are needed: query-aware)."""
+    tensor = torch.tensor([list(ids)], device=model.device)
+    if not _reconstructs(cache):
+        return forward(model, cache, tensor)
+    from h2o_kv.runtime.compress import compress
+
+    if tokenizer is None:
+        raise ValueError(f"{cache.settings.policy.describe()} repeats the context: the shared prefill needs tokenizer=")
+    if not logits_needed:
+        compress(model, tensor, cache=cache, tokenizer=tokenizer)
+        return None
+    compress(model, tensor[:, :-1], cache=cache, tokenizer=tokenizer)
+    last = torch.tensor([[len(ids) - 1]], device=model.device)
+    return forward(model, cache, tensor[:, -1:], positions=last)

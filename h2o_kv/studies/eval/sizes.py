@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from h2o_kv.policies import policy_key
+from h2o_kv.studies.eval.ruler_spec import RULER_TASKS
 
 INT8 = "-int8"  # a policy name with this suffix stores its kept keys and values as int8 (KVCache(kv_dtype="int8"))
 
@@ -31,7 +32,7 @@ class RetrievalSize:
     tasks: tuple[str, ...]  # RULER-style tasks (see ruler.TASKS)
     contexts: tuple[int, ...]  # context lengths in tokens
     samples: int  # samples per task and context (needle depths sweep evenly)
-    prefills: tuple[str, ...]  # "oneshot" and/or "stream" (see retrieval.py)
+    prefills: tuple[str, ...]  # "oneshot" (query-aware), "agnostic" (query-agnostic) and/or "stream" (retrieval.py)
     chunk: int  # tokens per call when streaming the prompt
     answer_cap: int | None  # at most this many answer tokens (None: RULER's lengths)
 
@@ -146,6 +147,15 @@ SIZES: dict[str, Size] = {
         FidelitySize(prompts=6, passage_tokens=1024, new_tokens=64),
         SummarizeSize(records=8, new_tokens=64, document_tokens=2048),
     ),
+    # Issue 52: RULER's thirteen tasks at 4k (kvpress's leaderboard set; ruler_spec.py), RULER's answer lengths, both
+    # settings from one shared prefill each: query-aware (question in the compressed prompt) and query-agnostic
+    # (the context compressed alone, the question after). 5 samples per task; more samples reuse the first ones' cells.
+    "ruler4k": Size(
+        PerplexitySize(windows=4, length=2048, chunk=16),
+        RetrievalSize(RULER_TASKS, (4096,), samples=5, prefills=("oneshot", "agnostic"), chunk=16, answer_cap=None),
+        FidelitySize(prompts=6, passage_tokens=1024, new_tokens=64),
+        SummarizeSize(records=8, new_tokens=64, document_tokens=2048),
+    ),
 }  # fmt: skip
 
 
@@ -158,3 +168,14 @@ def check_eval(tasks: Sequence[str], policies: Sequence[str], data: str | None) 
         raise ValueError("the summarize task needs a JSONL file (data=..., CLI --data) with document and summary")
     for name in policies:
         policy_key(name.removesuffix(INT8))  # as decoding.new_cache reads it
+
+
+def check_retrieval(retrieval: RetrievalSize) -> None:
+    """Refuse, before any model call, prefill settings that do not exist and query-agnostic runs of tasks that have no
+    question part (only RULER's thirteen split their prompt into context and question)."""
+    unknown = set(retrieval.prefills) - {"oneshot", "agnostic", "stream"}
+    if unknown:
+        raise ValueError(f"unknown prefill setting(s) {sorted(unknown)}; choose from oneshot, agnostic, stream")
+    older = [t for t in retrieval.tasks if t not in RULER_TASKS]
+    if "agnostic" in retrieval.prefills and older:
+        raise ValueError(f"query-agnostic needs RULER's thirteen tasks; {', '.join(older)} have no question part")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from h2o_kv.policies import budget_tokens, is_fraction
+from h2o_kv.studies.eval.ruler_spec import RULER_TASKS, SUBSTITUTES, label
 
 PLOT_METRICS = {
     "perplexity": ("ppl",),
@@ -19,6 +20,10 @@ COLUMNS = (
     "metric", "value", "full_value", "vs_full", "n", "mode", "chunk",
 )  # fmt: skip
 _KEYS = {"policy", "budget", "length", "subtask", "n"}
+PREFILL_LABELS = {
+    "oneshot": "oneshot (query-aware)",
+    "agnostic": "query-agnostic (context compressed alone, question after)",
+}
 
 
 def long_rows(task: str, wide: list[dict], *, prefill: str, mode: str, chunk: int | None) -> list[dict]:
@@ -86,7 +91,7 @@ def summary_markdown(rows: list[dict], meta: dict) -> str:
         for metric in PLOT_METRICS[task]:
             for key, pol in panels(trows, metric).items():
                 xs = sorted({x for p, d in pol.items() if p != "full" for x in d})
-                title = " / ".join(str(k) for k in key if k)
+                title = " / ".join(str(k) for k in _shown(key) if k)
                 lines += [f"## {task}: {title}" + (" (higher is better)" if metric not in LOWER_IS_BETTER else ""), ""]
                 head = "| policy | " + " | ".join(_xlabel(x, trows) for x in xs) + " |"
                 lines += [head, "|" + "---|" * (len(xs) + 1)]
@@ -107,7 +112,40 @@ def summary_markdown(rows: list[dict], meta: dict) -> str:
                                 f"| {p} | " + " | ".join("" if math.isnan(v) else f"{v:+.1%}" for v in rel) + " |"
                             )
                     lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines + ruler_lines(rows))
+
+
+def _shown(key: tuple) -> tuple:
+    """A panel's key as its heading reads: RULER's QA substitutes marked, the prefill setting spelt out."""
+    if len(key) != 2:
+        return key
+    return (label(key[0]), PREFILL_LABELS.get(key[1], key[1]))
+
+
+def ruler_lines(rows: list[dict]) -> list[str]:
+    """RULER's mean over its tasks per setting (policy x budget), as kvpress's leaderboard reports it, and what replaces
+    RULER's essays and QA data here. Nothing when no RULER task ran."""
+    ruler = [r for r in rows if r["task"] == "retrieval" and r["subtask"] in RULER_TASKS and r["metric"] == "score"]
+    if not ruler:
+        return []
+    lines: list[str] = []
+    for prefill in dict.fromkeys(r["prefill"] for r in ruler):
+        mine = [r for r in ruler if r["prefill"] == prefill]
+        cells: dict[str, dict[float, dict[str, list[float]]]] = {}  # policy -> x -> task -> values
+        for r in mine:
+            x = 1.0 if r["policy"] == "full" else budget_x(r)
+            cells.setdefault(r["policy"], {}).setdefault(x, {}).setdefault(r["subtask"], []).append(r["value"])
+        xs = sorted({x for p, d in cells.items() if p != "full" for x in d})
+        tasks = len({r["subtask"] for r in mine})
+        lines += [f"## RULER: mean over {tasks} task(s), {PREFILL_LABELS.get(prefill, prefill)}", ""]
+        lines += ["| policy | " + " | ".join(_xlabel(x, mine) for x in xs) + " |", "|" + "---|" * (len(xs) + 1)]
+        for policy, by_x in cells.items():
+            means = {x: mean([mean(v) for v in by_task.values()]) for x, by_task in by_x.items()}
+            shown = [means[1.0]] * len(xs) if policy == "full" else [means.get(x, float("nan")) for x in xs]
+            lines.append(f"| {policy} | " + " | ".join(_num(v) for v in shown) + " |")
+        lines.append("")
+    notes = sorted({SUBSTITUTES[t] for t in {r["subtask"] for r in ruler} if t in SUBSTITUTES})
+    return lines + ([f"Substitutes: {'; '.join(notes)} (docs/accuracy.md, RULER section).", ""] if notes else [])
 
 
 def _xlabel(x: float, rows: list[dict]) -> str:

@@ -119,6 +119,29 @@ class Policy:
         return repr(self)
 
 
+@dataclass(frozen=True)
+class BudgetAndRecent(Policy):
+    """A policy sized by `budget` (tokens, or a fraction of the prompt) that keeps its newest min(`recent`,
+    ceil(capacity / 2)) tokens whatever their rank (KeyDiff, KVzip)."""
+
+    budget: int | float
+    recent: int = 8
+
+    def __post_init__(self) -> None:
+        check_size("budget", self.budget, required_by=type(self).__name__)
+        if self.recent is None:
+            raise TypeError("recent must be an int (0 keeps no newest tokens), got None")
+        check_budget("recent", self.recent, allow_zero=True)
+
+    def capacity(self, prompt_len: torch.Tensor) -> torch.Tensor | None:
+        return tokens_of(self.budget, prompt_len)
+
+    def split(self, prompt_len: torch.Tensor) -> torch.Tensor:
+        """The newest tokens kept whatever their rank, per sequence: min(recent, ceil(capacity / 2))."""
+        total = tokens_of(self.budget, prompt_len)
+        return (total - total // 2).clamp(max=self.recent)
+
+
 class Wrapper(Policy):
     """A policy around an `inner` one (Sinks, LayerBudgets): how scores accumulate is the inner policy's."""
 

@@ -17,33 +17,17 @@ from dataclasses import dataclass
 
 import torch
 
-from h2o_kv.policies.base import Policy, SlotState, check_budget, check_size, per_prompt, tokens_of
+from h2o_kv.policies.base import BudgetAndRecent, SlotState, per_prompt
 
 
 @dataclass(frozen=True)
-class KeyDiff(Policy):
+class KeyDiff(BudgetAndRecent):
     """Keeps the keys least similar to the (sequence, KV head)'s mean normalised key, plus a few newest tokens.
 
     `budget`: tokens per (sequence, KV head), or a float fraction of the prompt.
     """
 
-    budget: int | float
-    recent: int = 8
     needs_keys = True
-
-    def __post_init__(self) -> None:
-        check_size("budget", self.budget, required_by="KeyDiff")
-        check_budget("recent", 0 if self.recent is None else self.recent, allow_zero=True)
-        if self.recent is None:
-            raise TypeError("recent must be an int (0 keeps no newest tokens), got None")
-
-    def capacity(self, prompt_len: torch.Tensor) -> torch.Tensor | None:
-        return tokens_of(self.budget, prompt_len)
-
-    def split(self, prompt_len: torch.Tensor) -> torch.Tensor:
-        """The newest tokens kept whatever their keys, per sequence: min(recent, ceil(capacity / 2))."""
-        total = tokens_of(self.budget, prompt_len)
-        return (total - total // 2).clamp(max=self.recent)
 
     def priority(self, state: SlotState) -> torch.Tensor:
         assert state.keys is not None

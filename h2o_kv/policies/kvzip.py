@@ -19,34 +19,18 @@ from dataclasses import dataclass
 
 import torch
 
-from h2o_kv.policies.base import Policy, SlotState, check_budget, check_size, per_prompt, tokens_of
+from h2o_kv.policies.base import BudgetAndRecent, SlotState, per_prompt
 
 
 @dataclass(frozen=True)
-class KVzip(Policy):
+class KVzip(BudgetAndRecent):
     """Context-reconstruction scores (through `h2o_kv.compress`), then H2O-style accumulation while decoding.
 
     `budget`: tokens per (sequence, KV head), or a float fraction of the context.
     """
 
-    budget: int | float
-    recent: int = 8
     needs_scores = True
     reconstructs = True
-
-    def __post_init__(self) -> None:
-        check_size("budget", self.budget, required_by="KVzip")
-        check_budget("recent", 0 if self.recent is None else self.recent, allow_zero=True)
-        if self.recent is None:
-            raise TypeError("recent must be an int (0 keeps no newest tokens), got None")
-
-    def capacity(self, prompt_len: torch.Tensor) -> torch.Tensor | None:
-        return tokens_of(self.budget, prompt_len)
-
-    def split(self, prompt_len: torch.Tensor) -> torch.Tensor:
-        """The newest tokens after the context kept whatever their score: min(recent, ceil(capacity / 2))."""
-        total = tokens_of(self.budget, prompt_len)
-        return (total - total // 2).clamp(max=self.recent)
 
     def priority(self, state: SlotState) -> torch.Tensor:
         return torch.where(state.pos >= state.next_pos - self.protected_recent(state), float("inf"), state.score)

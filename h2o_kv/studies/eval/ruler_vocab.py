@@ -9,15 +9,12 @@ single-word entries are kept, and none of the package's own profanity list.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from h2o_kv.runtime.models import cache_dir
+from h2o_kv.studies.data import fetched
 
 WONDERWORDS = "wonderwords==3.0.1"
 _LISTS = ("nounlist", "adjectivelist", "verblist", "profanitylist")
@@ -44,28 +41,13 @@ class Words:
 
 def wonderwords_dir() -> Path:
     """Folder of wonderwords' word lists, fetched from PyPI and extracted on first use."""
-    target = cache_dir() / "data" / "wonderwords"
-    if target.is_dir():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    print(f"h2o-kv: fetching the {WONDERWORDS} wheel from PyPI into {target} (one time)", file=sys.stderr)
-    with tempfile.TemporaryDirectory(prefix=".wonderwords.tmp-", dir=target.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", WONDERWORDS, "-d", tmp]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = sorted(Path(tmp).glob("wonderwords-*.whl"))
-        if done.returncode != 0 or not wheels:
-            raise RuntimeError(f"could not download {WONDERWORDS} from PyPI:\n{done.stderr[-2000:]}")
-        out = Path(tmp) / "lists"
-        out.mkdir()
-        with zipfile.ZipFile(wheels[0]) as wheel:
+
+    def extract(wheel_path: Path, out: Path) -> None:
+        with zipfile.ZipFile(wheel_path) as wheel:
             for name in _LISTS:
                 (out / f"{name}.txt").write_bytes(wheel.read(f"wonderwords/assets/{name}.txt"))
-        try:
-            out.rename(target)
-        except OSError:  # another process finished first
-            if not target.is_dir():
-                raise
-    return target
+
+    return fetched(WONDERWORDS, "wonderwords", True, extract)
 
 
 @cache

@@ -30,13 +30,10 @@ def check_answers(args: argparse.Namespace, convs: list) -> dict:
     model, tokenizer = load_model(args.model)
     eos, details, matching = eos_ids(model, tokenizer), [], 0
     for conv in convs:
-        cache, seen, users = None, [], 0
-        for message in conv.messages:
-            if message["role"] != "user":
-                continue
-            users += 1
-            turn = conv.turns[users - 1]
-            history = conv.messages[: conv.messages.index(message) + 1]
+        cache, seen = None, []
+        asked = [i for i, message in enumerate(conv.messages) if message["role"] == "user"]
+        for turn, at in zip(conv.turns, asked):
+            history = conv.messages[: at + 1]  # the conversation up to this turn's question
             text = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
             ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
             reused = cache is not None and len(seen) < len(ids) and ids[: len(seen)] == seen

@@ -7,7 +7,8 @@
 
 One iteration (`step`): admit waiting requests whose KV fits in `kv_memory` (FIFO), run one
 prefill chunk of the oldest admitted prompt (so running streams keep flowing while a long prompt
-joins), then one decode step for every running sequence. A prefilled request joins the running
+joins), after one of a prompt that a chunk finishes (a short prompt never waits behind long ones),
+then one decode step for every running sequence. A prefilled request joins the running
 batch of its policy (requests with the same policy and budget share one `KVCache` and one forward
 call); a finished or cancelled request leaves it and its rows are freed.
 
@@ -242,7 +243,7 @@ class Engine:
     # -- one iteration -------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> bool:
-        """Admit, one prefill chunk, one decode step. Returns False when there was nothing to do."""
+        """Admit, one or two prefill chunks, one decode step. Returns False when there was nothing to do."""
         with self._state:
             return self._step()
 

@@ -2,7 +2,9 @@
 
 A request waits (`waiting`, FIFO) until its KV memory fits beside everyone running (`admit`: `projected` bytes
 within `kv_memory`, at most `max_batch` running); then its prompt goes in, one chunk per engine step, oldest first
-(`prefill`); then it decodes in its policy's `Batch`. Nothing here calls the model: the engine does.
+(`prefill`), except that a prompt one chunk finishes goes before it (`prefill_turn`: a reused prefix's few new
+tokens never wait behind other prompts' long prefills); then it decodes in its policy's `Batch`. Nothing here
+calls the model: the engine does.
 
 With a prefix store (`prefixes.py`, the engine's `session_memory`), a request that ends with its answer leaves its
 cache behind (`keep`), and an admitted request whose prompt extends a kept sequence starts from a fork of it. Kept
@@ -12,6 +14,7 @@ caches stay within `kv_memory`, and no request waits for them.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -55,6 +58,17 @@ class Scheduler:
                 return
             self.waiting.popleft()
             self.prefill.append((request, self._start(request, room)))
+
+    def prefill_turn(self, chunk: int | None) -> list[tuple[Request, KVCache]]:
+        """The prompts that get a chunk this step, in order: the oldest, after the oldest of the others whose prompt
+        one chunk of `chunk` tokens finishes (None: whole prompts). At most two calls a step, and the oldest prompt
+        advances every step, so a stream of short prompts never starves a long one."""
+        if not self.prefill:
+            return []
+        oldest = self.prefill[0]
+        short = next((item for item in itertools.islice(self.prefill, 1, None)
+                      if chunk is None or item[0].prompt_tokens - item[1].seen_tokens <= chunk), None)  # fmt: skip
+        return [oldest] if short is None else [short, oldest]
 
     def _start(self, request: Request, room: int | None) -> KVCache:
         """An admitted request's cache: a fork of the longest kept prefix of its prompt (the store first shrinking
@@ -135,16 +149,17 @@ class Scheduler:
 
     def projected(self, extra: Request | None = None) -> int:
         """KV bytes if `extra` were admitted (None: of those running): every batch at its widest row (prompts still
-        going in counted in their batch), plus the largest prompt in flight (one prompt is prefilled at a time). A
-        batch in place counts what it allocates: its bucket of rows (free rows too), each as wide as its widest."""
+        going in counted in their batch), plus the two largest prompts in flight (a step feeds at most two:
+        `prefill_turn`). A batch in place counts what it allocates: its bucket of rows (free rows too), each as wide
+        as its widest."""
         groups: dict[Policy, list[int]] = {}
-        prefill = 0
+        prefill = [0, 0]
         for request in [*self.all_running(), *([extra] if extra is not None else [])]:
             decode, prompt = self.count.slots(request.policy, request.prompt_tokens, request.max_tokens)
             groups.setdefault(request.policy, []).append(decode)
             if request is extra or any(request is r for r, _ in self.prefill):
-                prefill = max(prefill, prompt)
-        total = prefill * self.count.layout
+                prefill = sorted([*prefill, prompt])[1:]
+        total = sum(prefill) * self.count.layout
         for policy, widths in groups.items():
             if not self.count.in_place or not self.count.bounded(policy):
                 total += len(widths) * max(widths) * self.count.layout

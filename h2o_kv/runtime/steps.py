@@ -1,12 +1,13 @@
 """The step runner: one engine iteration's model calls and what their logits become.
 
-`prefill` feeds the next chunk of the oldest prompt going in and, once the prompt is all in, samples its first
-token and lets the request join its policy's batch; `decode` steps one policy's batch and lets its finished rows
-go. A prompt continues where its cache has seen it to (`seen_tokens`: a kept prefix's fork starts past it), and a
-request that ends with its answer leaves its cache to the scheduler's prefix store (`Scheduler.keep`). The model
-calls are eager `forward`s here (`_prefill_call`, `_decode_call`); on a GPU, captured.py's `CapturedSteps` replays a
-batch's steady step recorded once per batch bucket at `_decode_call`, and nothing else changes. A request whose
-call or sampling fails ends with the error; everyone else goes on.
+`prefill` feeds the next chunk of the prompts going in (the scheduler's `prefill_turn`: the oldest, and a prompt one
+chunk finishes) and, once a prompt is all in, samples its first token and lets the request join its policy's batch;
+`decode` steps one policy's batch and lets its finished rows go. A prompt continues where its cache has seen it to
+(`seen_tokens`: a kept prefix's fork starts past it), and a request that ends with its answer leaves its cache to the
+scheduler's prefix store (`Scheduler.keep`). The model calls are eager `forward`s here (`_prefill_call`,
+`_decode_call`); on a GPU, captured.py's `CapturedSteps` replays a batch's steady step recorded once per batch bucket at
+`_decode_call`, and nothing else changes. A request whose call or sampling fails ends with the error; everyone else goes
+on.
 """
 
 from __future__ import annotations
@@ -34,21 +35,26 @@ class EagerSteps:
         self.finished_requests = 0
 
     def prefill(self, runs: Scheduler) -> None:
-        """The next chunk of the oldest prompt going in; once it is all in, the first token, and the request joins
-        its policy's batch (or ends there)."""
-        request, cache = runs.prefill[0]
+        """This step's prompt chunks (`Scheduler.prefill_turn`)."""
+        for item in runs.prefill_turn(self.prefill_chunk):
+            self._prefill_chunk(runs, item)
+
+    def _prefill_chunk(self, runs: Scheduler, item: tuple[Request, KVCache]) -> None:
+        """The next chunk of one prompt going in; once it is all in, the first token, and the request joins its
+        policy's batch (or ends there)."""
+        request, cache = item
         done = cache.seen_tokens
         ids = request.prompt_ids[done : done + (self.prefill_chunk or request.prompt_tokens)]
         try:
             logits = self._prefill_call(cache, ids, done)
         except Exception as err:
-            runs.prefill.popleft()
+            runs.prefill.remove(item)
             self.finish(request, "error", f"{type(err).__name__}: {err}")
             return
         self.held()
         if done + len(ids) < request.prompt_tokens:
             return
-        runs.prefill.popleft()
+        runs.prefill.remove(item)
         token = self._sample(request, logits[0])
         if token is None:
             return

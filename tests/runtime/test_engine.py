@@ -136,6 +136,28 @@ def test_a_long_prompt_joins_while_others_keep_decoding(engine):
     engine.run()
 
 
+def test_a_short_prompt_does_not_wait_behind_a_long_prefill_and_the_long_one_still_advances(engine):
+    """FIFO prefill made a reused prefix's few new tokens wait for every long prompt admitted before it; a prompt
+    one chunk finishes now goes first, and the oldest prompt still gets its chunk every step."""
+    long_ids, short_ids = prompt(160, seed=2), prompt(12, seed=3)
+    solo = [engine.generate(ids, max_tokens=4).token_ids for ids in (long_ids, short_ids)]
+    long = engine.submit(long_ids, max_tokens=4)  # 10 chunks of 16
+    engine.step()
+    shorts = []
+    for _ in range(4):  # a stream of short prompts, one a step
+        shorts.append(engine.submit(short_ids, max_tokens=4))
+        engine.step()
+        assert shorts[-1].token_ids  # its first token in the step it was admitted
+    steps = 5
+    while not long.token_ids:
+        engine.step()
+        steps += 1
+    assert steps == 10  # one chunk of the long prompt every step, shorts or not
+    engine.run()
+    assert long.result().token_ids == solo[0]
+    assert all(s.result().token_ids == solo[1] for s in shorts)
+
+
 def test_stop_strings_end_the_text_before_them():
     engine = Engine(make_model("llama"), make_tokenizer())
     ids = prompt(12, seed=0)

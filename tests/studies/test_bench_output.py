@@ -124,7 +124,7 @@ def test_a_failed_bar_fails_the_run_only_with_check(check, monkeypatch, tmp_path
                                  "h2o"]], ids=["sweep", "soak"])  # fmt: skip
 def test_without_out_a_run_writes_a_new_folder_never_results(run, monkeypatch, tmp_path, capsys):
     """`h2o-kv bench` without --out writes into a new bench-runs/SIZE-TIME folder of the working directory (soak:
-    bench-runs/soak-TIME), never the committed results/bench or results/soak; a folder already there is not
+    bench-runs/soak-TIME), never the committed results/ (results/soak, ...); a folder already there is not
     reused. The runs are real, on a tiny model."""
     from h2o_kv import cli
     from h2o_kv.runtime import models

@@ -131,7 +131,7 @@ def main(args: argparse.Namespace) -> int:
     from h2o_kv.studies.bench.config import check_run
     from h2o_kv.studies.bench.soak import main as soak_main
 
-    if args.out is None:  # a new folder per run: a first try never overwrites the committed results/bench
+    if args.out is None:  # a new folder per run: a first try never overwrites the committed results/
         args.out = run_folder("soak" if args.soak is not None else args.size)
     if args.soak is not None:
         return soak_main(args)

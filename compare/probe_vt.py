@@ -5,7 +5,7 @@ for every variable assigned 12345. This script reads exported samples (compare/k
 each prompt's prefill once, replays it into each policy's cache (h2o_kv.studies.eval.shared, as the study does) and
 counts, per chain line, the share of its tokens each (layer, KV head) still holds. The answer needs every line.
 
-    OMP_NUM_THREADS=1 .venv/bin/python results/qwen/probe_vt.py --samples compare/kvpress/samples-qwen-vt2k.jsonl \
+    OMP_NUM_THREADS=1 .venv/bin/python compare/probe_vt.py --samples compare/kvpress/samples-qwen-vt2k.jsonl \
         --n 10 --out results/qwen/probe-vt
 """
 

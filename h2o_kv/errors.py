@@ -30,12 +30,6 @@ class UnknownPolicy(InputError):
         self.name, self.choices = name, choices
 
 
-class UnsupportedPolicy(InputError):
-    """A policy this path cannot run (KVzip's reconstruction pass in the engine): the message names what works."""
-
-    param = "policy"
-
-
 class BadBudget(InputError):
     """A budget a policy cannot take (missing, out of range, or given to Full)."""
 

@@ -10,7 +10,8 @@ prefill chunk of the oldest admitted prompt (so running streams keep flowing whi
 joins), after one of a prompt that a chunk finishes (a short prompt never waits behind long ones),
 then one decode step for every running sequence. A prefilled request joins the running
 batch of its policy (requests with the same policy and budget share one `KVCache` and one forward
-call); a finished or cancelled request leaves it and its rows are freed.
+call); a finished or cancelled request leaves it and its rows are freed. A KVzip request prefills inside its
+reconstruction pass, one call per step (reconstructing.py), then joins.
 
 This file is the public API and the thread; who runs when is `scheduler.py` (admission: `admission.py`), one
 policy's rows are `batch.py`, and the model calls are `steps.py`. docs/internals.md follows a request through them.
@@ -26,33 +27,22 @@ from h2o_kv import backends, policies
 from h2o_kv.cache.attention import enable
 from h2o_kv.cache.formats import check_kv_dtype
 from h2o_kv.cache.kvcache import KVCache
-from h2o_kv.errors import UnsupportedPolicy
 from h2o_kv.model_config import text_config
 from h2o_kv.policies import Policy
 from h2o_kv.runtime.admission import SlotCount, admission_bytes
 from h2o_kv.runtime.captured import CapturedSteps
+from h2o_kv.runtime.compress import piece_overhead
 from h2o_kv.runtime.generation import Sampling, eos_ids
 from h2o_kv.runtime.prefixes import PrefixStore
+from h2o_kv.runtime.reconstructing import Reconstructing
 from h2o_kv.runtime.request import Completion, Event, Request
 from h2o_kv.runtime.scheduler import Scheduler
 from h2o_kv.runtime.steps import EagerSteps
 
-__all__ = ["Engine", "Request", "Event", "Completion", "Sampling", "served"]
+__all__ = ["Engine", "Request", "Event", "Completion", "Sampling"]
 
 
 DEFAULT_BUDGET = 0.2  # a fifth of the prompt: the committed studies' operating point
-
-
-def served(policy: Policy) -> Policy:
-    """`policy`, if the engine can run it: UnsupportedPolicy for KVzip, whose reconstruction pass (a second
-    prefill that is dropped) the engine's chunked prefill does not run."""
-    if policy.reconstructs:
-        raise UnsupportedPolicy(
-            f"{policy.describe()} ranks a context by reconstructing it, a pass the engine does not run: serve another "
-            "policy (keydiff is query-agnostic too), or use h2o_kv.compress(model, input_ids, policy, tokenizer=...) "
-            "and model.generate"
-        )
-    return policy
 
 
 class Engine:
@@ -77,7 +67,7 @@ class Engine:
         copies no other row's storage; `captured_steps`: a batch's steady decode step is recorded as a CUDA graph
         once per bucket and replayed (captured.py). None: both on a GPU, both off on a CPU."""
         # the defaults must make sense; a Full default keeps `budget` for requests naming a bounded policy
-        served(policies.build(policy, None if str(policy).lower() == "full" else budget, sinks=sinks))
+        policies.build(policy, None if str(policy).lower() == "full" else budget, sinks=sinks)
         for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk or 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -94,13 +84,14 @@ class Engine:
         config = text_config(model.config)
         self.context_limit = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
         self.rows_in_place = model.device.type == "cuda" if rows_in_place is None else bool(rows_in_place)
-        self._count = SlotCount(config, model.dtype, kv_dtype, mode, prefill_chunk, in_place=self.rows_in_place)
+        self._count = SlotCount(config, model.dtype, kv_dtype, mode, prefill_chunk, in_place=self.rows_in_place,
+                                pass_extra=lambda: piece_overhead(tokenizer))  # fmt: skip
         self._lock = threading.Condition()  # guards the waiting queue (submit never waits for a step)
         self._state = threading.Lock()  # held by a step while it changes the batches; stats() reads under it
         self.session_memory = session_memory or None
         self.prefixes = PrefixStore(session_memory) if session_memory else None  # kept caches, for reuse
         self._runs = Scheduler(self._count, kv_memory=kv_memory, max_batch=max_batch, new_cache=self._new_cache,
-                               prefixes=self.prefixes)  # fmt: skip
+                               prefixes=self.prefixes, new_pass=self._new_pass)  # fmt: skip
         self.eos = eos_ids(model, tokenizer)
         cuda = model.device.type == "cuda"
         if captured_steps and not cuda:
@@ -126,8 +117,7 @@ class Engine:
         kv_inspect: bool = False,
     ) -> Request:
         """Queue a prompt (token ids); raises at once for anything that cannot be served: `h2o_kv.errors`'
-        ContextTooLong, KVMemoryExceeded, UnknownPolicy, BadBudget, UnsupportedPolicy (each a ValueError naming its
-        `param`)."""
+        ContextTooLong, KVMemoryExceeded, UnknownPolicy, BadBudget (each a ValueError naming its `param`)."""
         if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
             raise ValueError("the prompt is empty")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
@@ -135,7 +125,7 @@ class Engine:
         stop = (stop,) if isinstance(stop, str) else tuple(stop)
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError("stop must be non-empty strings")
-        built = served(self.resolve_policy(policy, budget))
+        built = self.resolve_policy(policy, budget)
         kv_bytes = admission_bytes(self._count, built, len(prompt_ids), max_tokens, context=self.context_limit,
                                    kv_memory=self.kv_memory)  # fmt: skip
         sampling = sampling or Sampling()
@@ -181,7 +171,7 @@ class Engine:
                 "running": self._runs.running(),
                 "waiting": self.waiting(),  # the queue's lock is reentrant (a Condition's RLock)
                 "kv_bytes_in_use": self.kv_bytes_in_use(),
-                "kv_bytes_reserved": self._runs.reserved(),
+                "kv_bytes_reserved": self._runs.projected(),
                 "kv_bytes_allowed": self.kv_memory,
                 "running_peak": self.peaks["running"],
                 "kv_bytes_peak": self.peaks["kv_bytes_in_use"],
@@ -274,6 +264,9 @@ class Engine:
 
     def _new_cache(self, request: Request) -> KVCache:
         return KVCache(request.policy, mode=self.mode, prompt_len=request.prompt_tokens, kv_dtype=self.kv_dtype)
+
+    def _new_pass(self, request: Request, cache: KVCache) -> Reconstructing:
+        return Reconstructing(cache, request.prompt_ids, self.tokenizer, self.prefill_chunk, self.model.device)
 
     def _detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -3,8 +3,9 @@
 A request waits (`waiting`, FIFO) until its KV memory fits beside everyone running (`admit`: `projected` bytes
 within `kv_memory`, at most `max_batch` running); then its prompt goes in, one chunk per engine step, oldest first
 (`prefill`), except that a prompt one chunk finishes goes before it (`prefill_turn`: a reused prefix's few new
-tokens never wait behind other prompts' long prefills); then it decodes in its policy's `Batch`. Nothing here
-calls the model: the engine does.
+tokens never wait behind other prompts' long prefills); then it decodes in its policy's `Batch`. A KVzip request
+with a new cache prefills inside its reconstruction pass (`passes`: reconstructing.py), its held chunks then its
+reconstruction calls one per step; `prefill_turn` counts both. Nothing here calls the model: the engine does.
 
 With a prefix store (`prefixes.py`, the engine's `session_memory`), a request that ends with its answer leaves its
 cache behind (`keep`), and an admitted request whose prompt extends a kept sequence starts from a fork of it. Kept
@@ -26,22 +27,26 @@ from h2o_kv.policies import Policy
 from h2o_kv.runtime.admission import SlotCount
 from h2o_kv.runtime.batch import Batch, bucket
 from h2o_kv.runtime.prefixes import PrefixStore
+from h2o_kv.runtime.reconstructing import Reconstructing
 from h2o_kv.runtime.request import Request
 
 log = logging.getLogger(__name__)
 
 
 class Scheduler:
-    """The requests of one engine by stage; `new_cache(request)` makes an admitted request's cache; `prefixes` keeps
+    """The requests of one engine by stage; `new_cache(request)` makes an admitted request's cache and
+    `new_pass(request, cache)` the reconstruction pass of a new one whose policy `reconstructs`; `prefixes` keeps
     finished requests' caches for prompts that extend them (None: off). Where `count.in_place`, a bounded policy's
     batch keeps its rows in place, in buckets of rows (`Batch.in_place`)."""
 
     def __init__(self, count: SlotCount, *, kv_memory: int | None, max_batch: int,
-                 new_cache: Callable[[Request], KVCache], prefixes: PrefixStore | None = None) -> None:  # fmt: skip
+                 new_cache: Callable[[Request], KVCache], prefixes: PrefixStore | None = None,
+                 new_pass: Callable[[Request, KVCache], Reconstructing] | None = None) -> None:  # fmt: skip
         self.count, self.kv_memory, self.max_batch, self.new_cache = count, kv_memory, max_batch, new_cache
-        self.prefixes = prefixes
+        self.prefixes, self.new_pass = prefixes, new_pass
         self.waiting: deque[Request] = deque()  # submitted, not admitted
         self.prefill: deque[tuple[Request, KVCache]] = deque()  # admitted, prompt going in
+        self.passes: dict[Request, Reconstructing] = {}  # those of `prefill` that prefill in a reconstruction pass
         self.batches: dict[Policy, Batch] = {}  # decoding, by policy
 
     @property
@@ -61,22 +66,43 @@ class Scheduler:
 
     def prefill_turn(self, chunk: int | None) -> list[tuple[Request, KVCache]]:
         """The prompts that get a chunk this step, in order: the oldest, after the oldest of the others whose prompt
-        one chunk of `chunk` tokens finishes (None: whole prompts). At most two calls a step, and the oldest prompt
+        one call finishes (`calls_left`; None: whole prompts). At most two calls a step, and the oldest prompt
         advances every step, so a stream of short prompts never starves a long one."""
         if not self.prefill:
             return []
         oldest = self.prefill[0]
-        short = next((item for item in itertools.islice(self.prefill, 1, None)
-                      if chunk is None or item[0].prompt_tokens - item[1].seen_tokens <= chunk), None)  # fmt: skip
+        short = next((item for item in itertools.islice(self.prefill, 1, None) if self.calls_left(item, chunk) <= 1),
+                     None)  # fmt: skip
         return [oldest] if short is None else [short, oldest]
+
+    def calls_left(self, item: tuple[Request, KVCache], chunk: int | None) -> int:
+        """Model calls before a prompt going in is through: its chunks of `chunk` tokens left (None: one call), or,
+        in a reconstruction pass, its held chunks and reconstruction calls left (`Reconstructing.steps_left`)."""
+        request, cache = item
+        job = self.passes.get(request)
+        if job is not None:
+            return job.steps_left
+        left = request.prompt_tokens - cache.seen_tokens
+        return 0 if left <= 0 else 1 if chunk is None else -(-left // chunk)
+
+    def end_prefill(self, item: tuple[Request, KVCache], error: BaseException | None = None) -> None:
+        """A prompt is through, or failed (`error`): it leaves the prompts going in, and its reconstruction pass if it
+        is in one (ranked, or emptied on error: `Reconstructing.leave`)."""
+        self.prefill.remove(item)
+        job = self.passes.pop(item[0], None)
+        if job is not None:
+            job.leave(error)
 
     def _start(self, request: Request, room: int | None) -> KVCache:
         """An admitted request's cache: a fork of the longest kept prefix of its prompt (the store first shrinking
         to the `room` running requests leave), or a new one."""
         reused = None if self.prefixes is None else self.prefixes.checkout(request.policy, request.prompt_ids, room)
-        if reused is None:
-            return self.new_cache(request)
-        request.reused_tokens, cache = reused
+        if reused is not None:
+            request.reused_tokens, cache = reused
+            return cache
+        cache = self.new_cache(request)
+        if request.policy.reconstructs and self.new_pass is not None:
+            self.passes[request] = self.new_pass(request, cache)
         return cache
 
     def keep(self, request: Request, cache: KVCache, row: int | None = None) -> None:
@@ -97,12 +123,13 @@ class Scheduler:
             self.prefixes.evict(max(0, self.kv_memory - self.projected()))
 
     def take_cancelled(self) -> list[Request]:
-        """Remove every cancelled request from its stage (a decoding one records what it held) and return them."""
+        """Remove every cancelled request from its stage (a decoding one records what it held; one in a reconstruction
+        pass leaves it, emptied) and return them. A request its first token ended finishes its pass."""
         gone = [r for r in self.waiting if r.cancelled]
         for request in gone:
             self.waiting.remove(request)
-        for item in [item for item in self.prefill if item[0].cancelled]:
-            self.prefill.remove(item)
+        for item in [item for item in self.prefill if item[0].cancelled and not item[0].done]:
+            self.end_prefill(item, RuntimeError("cancelled"))
             gone.append(item[0])
         for policy, batch in list(self.batches.items()):
             rows = [i for i, r in enumerate(batch.requests) if r.cancelled]
@@ -143,9 +170,6 @@ class Scheduler:
     def kv_bytes_in_use(self) -> int:
         caches = [batch.cache for batch in self.batches.values()] + [cache for _, cache in self.prefill]
         return sum(cache.nbytes() for cache in caches)
-
-    def reserved(self) -> int:
-        return sum(r.kv_bytes for r in self.all_running())
 
     def projected(self, extra: Request | None = None) -> int:
         """KV bytes if `extra` were admitted (None: of those running): every batch at its widest row (prompts still

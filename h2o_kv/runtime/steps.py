@@ -4,10 +4,12 @@
 chunk finishes) and, once a prompt is all in, samples its first token and lets the request join its policy's batch;
 `decode` steps one policy's batch and lets its finished rows go. A prompt continues where its cache has seen it to
 (`seen_tokens`: a kept prefix's fork starts past it), and a request that ends with its answer leaves its cache to the
-scheduler's prefix store (`Scheduler.keep`). The model calls are eager `forward`s here (`_prefill_call`,
-`_decode_call`); on a GPU, captured.py's `CapturedSteps` replays a batch's steady step recorded once per batch bucket at
-`_decode_call`, and nothing else changes. A request whose call or sampling fails ends with the error; everyone else goes
-on.
+scheduler's prefix store (`Scheduler.keep`). A KVzip request with a new cache prefills in its reconstruction pass
+(reconstructing.py): held chunks, the first token from the last one, then one reconstruction call per step
+(`_score_call`), then it joins. The model calls are eager `forward`s here (`_prefill_call`, `_score_call`,
+`_decode_call`); on a GPU, captured.py's `CapturedSteps` replays a batch's steady step recorded once per batch bucket
+at `_decode_call`, and nothing else changes. A request whose call or sampling fails ends with the error; everyone else
+goes on.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from h2o_kv.cache.kvcache import KVCache
 from h2o_kv.policies import Policy
 from h2o_kv.runtime.batch import record
 from h2o_kv.runtime.generation import decode_step, forward, sample
+from h2o_kv.runtime.reconstructing import Reconstructing
 from h2o_kv.runtime.request import Request
 from h2o_kv.runtime.scheduler import Scheduler
 
@@ -40,25 +43,37 @@ class EagerSteps:
             self._prefill_chunk(runs, item)
 
     def _prefill_chunk(self, runs: Scheduler, item: tuple[Request, KVCache]) -> None:
-        """The next chunk of one prompt going in; once it is all in, the first token, and the request joins its
-        policy's batch (or ends there)."""
+        """The next call of one prompt going in (a chunk, or in a reconstruction pass a held chunk or a reconstruction
+        call); the first token once the prompt is all in; once it is through (its pass left), the request joins its
+        policy's batch, or ends there if its first token ended it. A failed call ends the request with the error."""
         request, cache = item
-        done = cache.seen_tokens
-        ids = request.prompt_ids[done : done + (self.prefill_chunk or request.prompt_tokens)]
+        done, logits = cache.seen_tokens, None
+        ids = request.prompt_ids[done : done + (self.prefill_chunk or request.prompt_tokens)]  # none once held
         try:
-            logits = self._prefill_call(cache, ids, done)
+            if ids:
+                logits = self._prefill_call(cache, ids, done)
+            else:
+                self._score_call(runs.passes[request])
         except Exception as err:
-            runs.prefill.remove(item)
+            runs.end_prefill(item, err)
             self.finish(request, "error", f"{type(err).__name__}: {err}")
             return
         self.held()
-        if done + len(ids) < request.prompt_tokens:
+        if ids and done + len(ids) == request.prompt_tokens:  # the prompt is in: its first token
+            token = self._sample(request, logits[0])
+            if token is None:
+                runs.end_prefill(item, RuntimeError(request.error))
+                return
+            self._push(request, token)
+        job = runs.passes.get(request)
+        if (job.steps_left if job is not None else done + len(ids) < request.prompt_tokens) > 0:
             return
-        runs.prefill.remove(item)
-        token = self._sample(request, logits[0])
-        if token is None:
+        try:
+            runs.end_prefill(item)  # and its pass, if any, is left: ranked to the capacity
+        except Exception as err:
+            self.finish(request, "error", f"{type(err).__name__}: {err}")
             return
-        if self._push(request, token):
+        if request.done:
             record(request, cache, 0)
             runs.keep(request, cache)
             runs.trim()
@@ -90,7 +105,9 @@ class EagerSteps:
             runs.leave(policy, finished)
 
     def finish(self, request: Request, reason: str, error: str | None = None) -> None:
-        """End a request without a new token (cancelled, or an error)."""
+        """End a request without a new token (cancelled, or an error); one that has ended stays as it ended."""
+        if request.done:
+            return
         request.finish(reason, error)
         self.finished_requests += 1
 
@@ -99,6 +116,10 @@ class EagerSteps:
         device = self.model.device
         positions = torch.arange(start, start + len(ids), device=device).view(1, -1)
         return forward(self.model, cache, torch.tensor([ids], device=device), positions=positions)
+
+    def _score_call(self, job: Reconstructing) -> None:
+        """The next reconstruction call of a pass (`Reconstructing.score_next`)."""
+        job.score_next(self.model)
 
     def _decode_call(self, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One token per row (tokens, positions [B] on the model's device): the next logits [B, V]."""

@@ -13,7 +13,6 @@ import h2o_kv
 from h2o_kv.cache.layer import KVLayer, Settings
 from h2o_kv.cache.pooled import PooledKVLayer
 from h2o_kv.cache.reconstruct import Reconstruction
-from h2o_kv.errors import UnsupportedPolicy
 from h2o_kv.policies import AdaKV, KeyDiff, KVzip, LayerBudgets, Sinks, build
 from h2o_kv.runtime.compress import compress, reconstruction_inputs
 
@@ -277,28 +276,25 @@ def test_compress_with_any_other_policy_is_its_prompt_call(llama):
     assert compressed.kept_tokens == 8
 
 
-# -- the engine and the CLI: KVzip refused by type, KeyDiff served --------------------------------------------------
+# -- the engine and the CLI serve both (the engine runs KVzip's pass: tests/runtime/test_engine_kvzip.py) -----------
 
 
-def test_the_engine_refuses_kvzip_by_type_and_serves_keydiff(tiny_tokenizer):
+def test_the_engine_serves_kvzip_and_keydiff_by_name(tiny_tokenizer):
     from h2o_kv.runtime.engine import Engine
 
     model = make_model("llama")
-    with pytest.raises(UnsupportedPolicy, match=r"h2o_kv\.compress"):
-        Engine(model, tiny_tokenizer, policy="kvzip")
-    engine = Engine(model, tiny_tokenizer, policy="h2o", budget=8)
-    with pytest.raises(UnsupportedPolicy) as err:
-        engine.submit(list(range(3, 30)), policy="kvzip", budget=8)
-    assert err.value.param == "policy" and engine.waiting() == 0
+    engine = Engine(model, tiny_tokenizer, policy="kvzip", budget=8)
+    assert engine.resolve_policy() == KVzip(budget=8)
+    done = engine.generate(list(range(3, 30)), policy="kvzip", budget=8, max_tokens=4, ignore_eos=True)
+    assert done.completion_tokens == 4 and engine.waiting() == 0
     done = engine.generate(list(range(3, 30)), policy="keydiff", budget=6, max_tokens=4, ignore_eos=True)
     assert done.completion_tokens == 4
 
 
-def test_the_cli_refuses_kvzip_before_loading_a_model(monkeypatch, capsys):
+def test_the_cli_generates_with_kvzip(monkeypatch, capsys, tiny_tokenizer):
     from h2o_kv import cli
     from h2o_kv.runtime import models
 
-    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
-    assert cli.main(["generate", "hi", "--policy", "kvzip", "--budget", "0.2"]) == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and "engine does not run" in lines[0] and "keydiff" in lines[0]
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: (make_model("llama"), tiny_tokenizer))
+    assert cli.main(["generate", "hi there", "--policy", "kvzip", "--budget", "8", "--max-new-tokens", "3"]) == 0
+    assert "[KVzip(budget=8, recent=8)] kept" in capsys.readouterr().err

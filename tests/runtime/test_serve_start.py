@@ -37,11 +37,21 @@ def test_a_taken_port_is_one_line_and_exit_2_before_the_model_loads(no_loading, 
     ]
 
 
-def test_a_policy_the_engine_cannot_run_is_one_line_and_exit_2_before_the_model_loads(no_loading, capsys):
-    code = cli.main(["serve", "--port", "0", "--policy", "kvzip", "--budget", "0.2"])
+def test_a_bad_policy_budget_pair_is_one_line_and_exit_2_before_the_model_loads(no_loading, capsys):
+    code = cli.main(["serve", "--port", "0", "--policy", "h2o", "--budget", "1.5"])
     captured = capsys.readouterr()
     assert code == 2 and captured.out == "" and len(captured.err.splitlines()) == 1
-    assert "KVzip" in captured.err and "keydiff" in captured.err
+
+
+def test_kvzip_is_served(monkeypatch):
+    """The engine runs KVzip's reconstruction pass, so `serve --policy kvzip` starts (tests/runtime/test_engine_kvzip.py
+    serves it)."""
+    tokenizer = bundled_tokenizer()
+    monkeypatch.setattr(models, "load_model", lambda *a, **kw: (tiny_model(tokenizer), tokenizer))
+    seen = []
+    monkeypatch.setattr(server.Server, "run", lambda self: seen.append(self.announce))
+    assert cli.main(["serve", "--port", "0", "--model", "smollm2-135m", "--policy", "kvzip", "--budget", "0.2"]) == 0
+    assert len(seen) == 1 and "policy kvzip" in seen[0]
 
 
 def test_the_start_up_line_names_model_policy_budget_and_kv_memory(monkeypatch):

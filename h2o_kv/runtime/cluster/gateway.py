@@ -47,7 +47,11 @@ _REPLICA_GAUGES = (
     ("replica_requests_waiting", "waiting", "Requests waiting on each replica (its last report)"),
     ("replica_kv_bytes_in_use", "kv_bytes_in_use", "KV bytes each replica holds (its last report)"),
     ("replica_kv_bytes_allowed", "kv_bytes_allowed", "KV memory limit of each replica (+Inf: none)"),
-    ("replica_kv_bytes_reserved", "kv_bytes_reserved", "KV bytes reserved by each replica's admitted requests"),
+    (
+        "replica_kv_bytes_reserved",
+        "kv_bytes_reserved",
+        "KV bytes each replica's admitted requests are counted at (allocated rows, prompts going in)",
+    ),
     ("replica_kv_bytes_peak", "kv_bytes_peak", "Most KV bytes each replica held since it started or /reset_peaks"),
     ("replica_generated_tokens", "generated_tokens", "Tokens each replica has generated since it started"),
     ("replica_requests_finished", "finished_requests", "Requests each replica has finished since it started"),

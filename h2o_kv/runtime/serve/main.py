@@ -90,9 +90,7 @@ def engine_settings(args: argparse.Namespace) -> dict:
     budget = None if args.budget is None else policies.parse_budget(args.budget)
     if args.policy == "full":
         budget = None
-    from h2o_kv.runtime.engine import served
-
-    served(policies.build(args.policy, budget, sinks=args.sinks))  # refuse a bad pair, or kvzip, before the model loads
+    policies.build(args.policy, budget, sinks=args.sinks)  # refuse a bad pair before the model loads
     kv_memory = None if args.kv_memory is None else parse_bytes(args.kv_memory)
     session_memory = parse_bytes(args.session_memory, "--session-memory", minimum=0) or None
     for flag, value in (("--max-batch", args.max_batch), ("--prefill-chunk", args.prefill_chunk)):

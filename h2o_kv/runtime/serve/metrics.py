@@ -21,7 +21,11 @@ _GAUGES = (
     ("requests_running", "running", "Requests decoding or prefilling in the engine"),
     ("requests_waiting", "waiting", "Requests queued until their KV fits in the memory limit"),
     ("kv_bytes_in_use", "kv_bytes_in_use", "Bytes the KV cache holds now"),
-    ("kv_bytes_reserved", "kv_bytes_reserved", "Sum of the admitted requests' KV reservations"),
+    (
+        "kv_bytes_reserved",
+        "kv_bytes_reserved",
+        "KV bytes the admitted requests are counted at: allocated rows at their widest and prompts going in",
+    ),
     ("requests_running_peak", "running_peak", "Most requests running at once since start or POST /reset_peaks"),
     ("kv_bytes_peak", "kv_bytes_peak", "Most bytes the KV cache held since start or POST /reset_peaks"),
     ("prefix_bytes_held", "prefix_bytes_held", "KV bytes kept from finished requests for reuse (--session-memory)"),

@@ -1,8 +1,10 @@
 """One prompt under each policy asked: its prefill, its answer (a few greedy tokens), and what its cache kept.
 
 Each policy reads the prompt itself, in one call as `h2o-kv generate` does (or in chunks with `prefill_chunk`), so the
-map is the one that policy's generation runs on; after the answer's tokens the cache's `kept_map` says which (layer,
-KV head) rows still hold each prompt position. The page (page.py) draws the `Inspection` this returns.
+map is the one that policy's generation runs on (KVzip's prompt goes through its reconstruction pass, repeated in
+chunks of `prefill_chunk` tokens, 512 without one, as the engine runs it); after the answer's tokens the cache's
+`kept_map` says which (layer, KV head) rows still hold each prompt position. The page (page.py) draws the
+`Inspection` this returns.
 """
 
 from __future__ import annotations
@@ -49,17 +51,13 @@ class Inspection:
 
 def parse_policies(specs: list[str], budget: policies.Budget) -> list[tuple[str, policies.Policy]]:
     """`--policy` values, `name` or `name@budget` (the budget as --budget takes it), built; a name without a budget
-    takes `budget`. Refuses an unknown name, a bad budget, a repeated spec and KVzip (its reconstruction pass is not a
-    prompt call) with one ValueError."""
+    takes `budget`. Refuses an unknown name, a bad budget and a repeated spec with one ValueError."""
     built = []
     for spec in specs:
         name, at, text = spec.partition("@")
         own = policies.parse_budget(text) if at else budget
         key = policies.policy_key(name)
         policy = policies.build(key, None if key == "full" else own)
-        if getattr(policy, "reconstructs", False):
-            raise ValueError(f"--policy {spec}: {policy.describe()} ranks a context by reconstructing it, a "
-                             "pass inspect does not run; inspect another (keydiff is query-agnostic too)")  # fmt: skip
         label = key if key == "full" else f"{key}@{own:g}"
         if label in (seen for seen, _ in built):
             raise ValueError(f"--policy {spec} is given twice")
@@ -118,6 +116,7 @@ def inspect(
     Refuses a prompt that, with its `decode` tokens, passes the model's context (one ValueError)."""
     from h2o_kv.cache.kvcache import KVCache
     from h2o_kv.model_config import text_config
+    from h2o_kv.runtime.compress import CHUNK, compress_with_logits
     from h2o_kv.runtime.generation import encode, eos_ids, forward, greedy_continue
 
     user = prompt_text(text, question)
@@ -135,7 +134,11 @@ def inspect(
         start = time.perf_counter()
         cache = KVCache(policy, mode=mode, prefill_chunk=prefill_chunk)
         with torch.no_grad():
-            logits = forward(model, cache, torch.tensor([ids], device=model.device))
+            if policy.reconstructs:  # KVzip: the prompt through its reconstruction pass (h2o_kv.compress)
+                logits = compress_with_logits(model, torch.tensor([ids]), tokenizer=tokenizer, cache=cache,
+                                              chunk=prefill_chunk or CHUNK)[1]  # fmt: skip
+            else:
+                logits = forward(model, cache, torch.tensor([ids], device=model.device))
             new = greedy_continue(model, cache, logits, len(ids), decode, eos, done) if decode else []
         answer = tokenizer.decode(new, skip_special_tokens=True).strip()
         run = Run(label, policy.describe(), cache.kept_map(0).cpu(), answer, len(new), cache.nbytes(),

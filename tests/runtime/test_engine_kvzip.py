@@ -1,0 +1,250 @@
+"""KVzip in the engine: a new request prefills inside its reconstruction pass, one call per step, and answers as the
+library's one-cache run (`compress_with_logits`, then greedy steps); a kept prefix's fork runs no pass."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+import h2o_kv
+from h2o_kv.errors import ContextTooLong, KVMemoryExceeded
+from h2o_kv.runtime.compress import compress_with_logits, piece_overhead
+from h2o_kv.runtime.engine import Engine
+from h2o_kv.runtime.generation import decode_step, prefill
+
+from conftest import make_model, make_tokenizer, random_ids
+
+CHUNK = 16
+ANSWER = 6
+pytestmark = pytest.mark.filterwarnings("ignore:KVzip.*too few for coherent text")  # tiny prompts' fraction budgets
+
+
+def ids(length: int, seed: int) -> list[int]:
+    return random_ids(1, length, seed=seed)[0].tolist()
+
+
+def engine(chunk: int | None = CHUNK, **kwargs) -> Engine:
+    return Engine(make_model("llama"), make_tokenizer(), prefill_chunk=chunk, policy="kvzip", budget=0.5, **kwargs)
+
+
+def greedy(model, cache, logits, start: int, n: int) -> list[int]:
+    """`n` greedy tokens from the prompt's last `logits`, the first fed at position `start`."""
+    out = [int(logits.argmax(-1))]
+    with torch.no_grad():
+        while len(out) < n:
+            step = torch.tensor([start + len(out) - 1])
+            out.append(int(decode_step(model, cache, torch.tensor([out[-1]]), step).argmax(-1)))
+    return out
+
+
+def one_cache(run: Engine, prompt: list[int], policy, n: int = ANSWER, chunk: int = CHUNK, cache=None):
+    """The library run: the prompt compressed (its pass's chunk the engine's; into `cache` if given), its first token
+    from the held call's logits, then greedy steps on that cache. Returns (tokens, cache)."""
+    cache, logits = compress_with_logits(run.model, torch.tensor([prompt]), policy, tokenizer=run.tokenizer,
+                                         chunk=chunk, cache=cache)  # fmt: skip
+    return greedy(run.model, cache, logits, len(prompt), n), cache
+
+
+def ask(run: Engine, prompt: list[int], **kwargs):
+    request = run.submit(prompt, max_tokens=kwargs.pop("max_tokens", ANSWER), ignore_eos=True, **kwargs)
+    run.run()
+    return request
+
+
+@pytest.mark.parametrize(("length", "chunk", "budget"), [(40, 16, 0.5), (33, 16, 12), (12, 16, 0.5), (45, None, 0.3)],
+                         ids=["chunks", "one-token-tail", "one-chunk", "whole"])  # fmt: skip
+def test_a_kvzip_request_equals_the_library_one_cache_run(length, chunk, budget):
+    run = engine(chunk, session_memory=2**30)
+    prompt, policy = ids(length, seed=length), h2o_kv.KVzip(budget=budget)
+    tokens, _ = one_cache(run, prompt, policy, chunk=chunk or 512)
+    assert ask(run, prompt, policy=policy).token_ids == tokens
+    # what the pass kept: a request its first token ends leaves its compressed cache to the store
+    assert ask(run, prompt, policy=policy, max_tokens=1).finish_reason == "length"
+    _, kept = run.prefixes.checkout(policy, prompt + [0])
+    library = compress_with_logits(run.model, torch.tensor([prompt]), policy, tokenizer=run.tokenizer,
+                                   chunk=chunk or 512)[0]  # fmt: skip
+    assert torch.equal(kept.kept_per_head(), library.kept_per_head())
+    mine, theirs = kept.kept_map(0).kept, library.kept_map(0).kept
+    agree = (mine == theirs).float().mean().item()  # held chunks round a little differently from one held call
+    assert agree == 1.0 if chunk is None else agree >= 0.97
+    assert kept.nbytes() <= library.nbytes()  # shrunk to what it keeps
+
+
+@pytest.mark.parametrize(("mode", "kv_dtype"), [("mask", None), ("drop", "int8")])
+def test_mask_mode_and_int8_storage_equal_compress_on_the_same_cache(mode, kv_dtype):
+    run = engine(mode=mode, kv_dtype=kv_dtype)
+    prompt = ids(40, seed=3)
+    assert ask(run, prompt).token_ids == one_cache(run, prompt, None, cache=h2o_kv.KVCache(
+        h2o_kv.KVzip(budget=0.5), mode=mode, kv_dtype=kv_dtype))[0]  # fmt: skip
+    alone = sum(run._count.slots(run.resolve_policy(), 40, ANSWER)) * run._count.layout  # decoding + going in
+    assert run.stats()["kv_bytes_peak"] <= alone
+
+
+def test_concurrent_kvzip_requests_equal_their_solo_runs_within_kv_memory():
+    specs = [(40, dict()), (23, dict(budget=10)), (57, dict()), (12, dict()), (30, dict(policy="h2o", budget=8))]
+    prompts = [(ids(n, seed=n), spec) for n, spec in specs]
+    solo_run = engine()
+    solo = [ask(solo_run, p, **spec).token_ids for p, spec in prompts]
+    library = one_cache(solo_run, prompts[0][0], h2o_kv.KVzip(budget=0.5))[0]
+    assert solo[0] == library
+    alone = [solo_run._count.slots(solo_run.resolve_policy(spec.get("policy"), spec.get("budget")), len(p), ANSWER)
+             for p, spec in prompts]  # fmt: skip
+    kv_memory = max(sum(s) for s in alone) * solo_run._count.layout  # the largest alone: the others queue or share
+    run = engine(kv_memory=kv_memory)
+    requests = [run.submit(p, max_tokens=ANSWER, ignore_eos=True, **spec) for p, spec in prompts]
+    while run.step():
+        assert run.kv_bytes_in_use() <= kv_memory
+    assert [r.token_ids for r in requests] == solo
+    stats = run.stats()
+    assert 0 < stats["kv_bytes_peak"] <= kv_memory and 1 < stats["running_peak"] < len(prompts)
+    assert not run._runs.passes and run.kv_bytes_in_use() == 0
+
+
+def test_rows_in_place_serve_kvzip_as_packed_rows():
+    prompts = [ids(n, seed=n) for n in (40, 23, 31)]
+    answers = []
+    for in_place in (False, True):
+        run = engine(rows_in_place=in_place)
+        requests = [run.submit(p, max_tokens=ANSWER, ignore_eos=True) for p in prompts]
+        run.run()
+        answers.append([r.token_ids for r in requests])
+    assert answers[0] == answers[1]
+
+
+def test_admission_counts_the_held_prompt_and_its_longest_reconstruction_call():
+    run = engine()
+    policy, length = run.resolve_policy(), 40
+    decode, held = run._count.slots(policy, length, ANSWER)
+    assert held == length + CHUNK + piece_overhead(run.tokenizer) + 1
+    exact = (decode + held) * run._count.layout
+    with pytest.raises(KVMemoryExceeded):
+        engine(kv_memory=exact - 1).submit(ids(length, seed=1), max_tokens=ANSWER)
+    tight = engine(kv_memory=exact)  # admitted alone, and it never holds more than it was admitted by
+    assert ask(tight, ids(length, seed=1)).finish_reason == "length"
+    assert tight.stats()["kv_bytes_peak"] <= exact
+
+
+def test_a_prompt_whose_reconstruction_calls_pass_the_context_is_refused():
+    """The pass reads positions after the prompt: a prompt that fits the context with its answer but not with its
+    longest reconstruction call is refused at submit (ContextTooLong), one short enough is served."""
+    run = engine()
+    run.context_limit = 200
+    longest = run._count.pass_call(150)
+    with pytest.raises(ContextTooLong, match="reconstruction call"):
+        run.submit(ids(200 - longest + 1, seed=1), max_tokens=ANSWER)
+    assert ask(run, ids(200 - run._count.pass_call(100), seed=1)).finish_reason == "length"
+
+
+def test_a_kept_prefix_is_extended_without_a_pass_as_the_library_feeds_a_question():
+    run, policy = engine(session_memory=2**30), h2o_kv.KVzip(budget=12)
+    first = ask(run, ids(40, seed=7), policy=policy)
+    prompt = first.prompt_ids + first.token_ids + ids(9, seed=8)
+    second = ask(run, prompt, policy=policy)
+    assert second.reused_tokens == 40 + ANSWER - 1 and not run._runs.passes
+    answer, cache = one_cache(run, first.prompt_ids, policy)  # compress, the answer, then the new tokens fed
+    assert first.token_ids == answer
+    seen = first.prompt_ids + answer[:-1]
+    with torch.no_grad():
+        logits = prefill(run.model, cache, torch.tensor([prompt[len(seen) :]]), chunk=CHUNK, start=len(seen))
+    assert second.token_ids == greedy(run.model, cache, logits, len(prompt), ANSWER)
+
+
+@pytest.mark.parametrize("where", ["held", "reconstruction"])
+def test_an_error_in_the_pass_ends_only_that_request(where):
+    run = engine()
+    bad, good, other = ids(40, seed=1), ids(30, seed=2), ids(25, seed=3)
+    solo = [ask(engine(), p, **kw).token_ids for p, kw in ((good, {}), (other, dict(policy="h2o", budget=8)))]
+    failed = []
+    prefill_call, score_call = run._steps._prefill_call, run._steps._score_call
+
+    def held(cache, chunk, start):
+        if where == "held" and start == CHUNK and chunk == bad[start : start + len(chunk)]:
+            failed.append(cache)
+            raise RuntimeError("boom")
+        return prefill_call(cache, chunk, start)
+
+    def scored(job):
+        if where == "reconstruction" and job.length == len(bad) and job.scored == 1:
+            failed.append(job.cache)
+            raise RuntimeError("boom")
+        return score_call(job)
+
+    run._steps._prefill_call, run._steps._score_call = held, scored
+    requests = [run.submit(p, max_tokens=ANSWER, ignore_eos=True, **kw)
+                for p, kw in ((bad, {}), (good, {}), (other, dict(policy="h2o", budget=8)))]  # fmt: skip
+    run.run()
+    assert requests[0].finish_reason == "error" and "RuntimeError: boom" in requests[0].error
+    assert [r.token_ids for r in requests[1:]] == solo
+    (cache,) = failed
+    assert cache.settings.reconstruction is None and cache.nbytes() == 0  # the pass left, emptied
+    assert not run._runs.passes and not run._runs.prefill and run.kv_bytes_in_use() == 0
+
+
+@pytest.mark.parametrize("steps", [1, 4], ids=["held", "reconstruction"])
+def test_a_request_cancelled_in_its_pass_leaves_it(steps):
+    run = engine()
+    request = run.submit(ids(40, seed=4), max_tokens=ANSWER, ignore_eos=True)  # 3 held chunks, 3 calls
+    for _ in range(steps):
+        run.step()
+    job = run._runs.passes[request]
+    assert job.held == (steps > 3) and len(request.token_ids) == (steps > 3)
+    request.cancel()
+    run.step()
+    assert request.finish_reason == "cancelled" and not job.open and job.cache.nbytes() == 0
+    assert not run._runs.passes and run.kv_bytes_in_use() == 0 and run.stats()["finished_requests"] == 1
+    assert ask(run, ids(12, seed=5)).finish_reason == "length"
+
+
+def test_a_request_its_first_token_ends_finishes_its_pass_even_if_cancelled():
+    run = engine(session_memory=2**30)
+    prompt = ids(40, seed=6)
+    request = run.submit(prompt, max_tokens=1, ignore_eos=True)
+    for _ in range(3):  # the held chunks: the first token ends it
+        run.step()
+    assert request.finish_reason == "length" and request in run._runs.passes
+    request.cancel()
+    run.run()
+    assert request.finish_reason == "length" and request.stats(1)["seen_tokens"] == 40
+    assert run.stats()["prefix_entries"] == 1 and run.stats()["finished_requests"] == 1
+
+
+def test_prefill_turn_counts_a_pass_by_its_calls_left():
+    """A pass's prompt is in long before its reconstruction calls are done: it is neither through nor a short prompt
+    until one call is left."""
+    run = engine(chunk=8)
+    long = run.submit(ids(100, seed=1), max_tokens=ANSWER, policy="h2o", budget=8)
+    kvzip = run.submit(ids(20, seed=2), max_tokens=ANSWER)  # 3 held chunks, then 3 reconstruction calls
+    runs = run._runs
+    runs.admit()
+    (oldest, item) = list(runs.prefill)
+    assert [runs.calls_left(i, 8) for i in (oldest, item)] == [13, 6]
+    for left in (5, 4, 3, 2, 1):
+        assert runs.prefill_turn(8) == [oldest]
+        with torch.no_grad():
+            run._steps._prefill_chunk(runs, item)
+        assert runs.calls_left(item, 8) == left and item in runs.prefill
+    assert kvzip.token_ids and item[1].seen_tokens == 20  # its prompt is in: not through
+    assert runs.prefill_turn(8) == [item, oldest]
+    run.run()
+    assert len(long.token_ids) == len(kvzip.token_ids) == ANSWER
+    stub = types.SimpleNamespace(steps_left=2)
+    runs.passes[kvzip] = stub  # a pass's count is its job's, whatever the cache has seen
+    assert runs.calls_left((kvzip, item[1]), 8) == 2
+
+
+def test_kvzip_is_served_by_name_and_inspected():
+    run = Engine(make_model("llama"), make_tokenizer(), policy="kvzip", budget=0.5)
+    assert run.resolve_policy() == h2o_kv.KVzip(budget=0.5)
+    assert run.generate(ids(20, seed=1), max_tokens=3, ignore_eos=True).completion_tokens == 3
+
+    from h2o_kv.runtime.generation import encode
+    from h2o_kv.studies.inspect.run import inspect, parse_policies
+
+    asked = parse_policies(["kvzip@0.5"], None)
+    text = "The quick brown fox jumps over the lazy dog. " * 2
+    (seen,) = inspect(run.model, run.tokenizer, text, asked, model_name="tiny").runs
+    prompt = torch.tensor([encode(run.tokenizer, text)])
+    library = compress_with_logits(run.model, prompt, asked[0][1], tokenizer=run.tokenizer)[0]
+    assert torch.equal(seen.kept.kept, library.kept_map(0).cpu().kept)

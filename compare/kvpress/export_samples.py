@@ -21,6 +21,12 @@ after it, kvpress's own default, on the same ids as h2o-kv's ``--setting query-a
 fractions of what is compressed: ``h2o_kv_budget_tokens`` of the whole prompt (query-aware) and
 ``h2o_kv_budget_tokens_agnostic`` of the context; give them ``--gen-cap 0`` for RULER's answer lengths.
 
+``--questions 4`` (issue 50, compress once, answer many): RULER's multikey and QA samples ask 4 questions over one
+context (`h2o_kv.studies.eval.ruler_tasks`), and their records add ``questions``, a list of ``{"question",
+"question_ids", "answers"}`` (the first is also the record's ``question_ids`` / ``answers``); the ids are the ones
+``h2o-kv eval --questions 4 --setting query-agnostic`` feeds after the context. run_kvpress.py passes them as kvpress's
+pipeline ``questions=[...]``. Other tasks (niah_multivalue: one key) keep their one question and no ``questions``.
+
 ``--check RESULTS.json`` instead re-scores the predictions cached by run_kvpress.py with h2o-kv's own
 `h2o_kv.studies.eval.ruler.score` and fails if any score differs from the one run_kvpress.py recorded.
 """
@@ -30,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from h2o_kv import load_model
@@ -38,15 +45,50 @@ from h2o_kv.runtime.bundled import BUNDLED_NAME
 from h2o_kv.runtime.models import cache_dir
 from h2o_kv.studies.data import load_corpus
 from h2o_kv.studies.eval.retrieval import make_samples
-from h2o_kv.studies.eval.ruler import RULER_TASKS, Sample, max_new_tokens, score
+from h2o_kv.studies.eval.ruler import RULER_TASKS, Sample, asked, max_new_tokens, score
 from h2o_kv.studies.eval.ruler_fit import split_ids
 
 SHORT = {"niah_single": "niah", "passkey": "passkey", "variable_tracking": "vt", **{t: t for t in RULER_TASKS}}
 
 
-def samples_for(tokenizer, haystack: str, task: str, context: int, n: int, seed: int) -> list[Sample]:
+def samples_for(
+    tokenizer, haystack: str, task: str, context: int, n: int, seed: int, questions: int = 1
+) -> list[Sample]:
     """`n` samples of `task`, seeded as the retrieval runner seeds them (older needle tasks: depths (i + 0.5) / n)."""
-    return make_samples(tokenizer, haystack, tasks=[task], context_tokens=context, n=n, seed=seed)
+    return make_samples(tokenizer, haystack, tasks=[task], context_tokens=context, n=n, seed=seed, questions=questions)
+
+
+def sample_record(tokenizer, s: Sample, sid: str, budgets: list[float], cap: int | None) -> dict:
+    """The sample's part of its JSONL record: text, token ids as h2o-kv's retrieval runner encodes them, golds, metric,
+    generation length and h2o-kv's budgets in tokens; RULER's thirteen add their split and, with several questions,
+    the ``questions`` list."""
+    context_ids, question_ids = split_ids(tokenizer, s)  # as h2o_kv's retrieval runner encodes prompts
+    ids = context_ids + question_ids
+    new = max_new_tokens(s.task) if cap is None else min(max_new_tokens(s.task), cap)
+    split = {}
+    if question_ids:  # RULER's thirteen: budgets of what is compressed, per sample (as kvpress's)
+        split = {
+            "context_ids": context_ids,
+            "question_ids": question_ids,
+            "h2o_kv_budget_tokens_agnostic": {str(b): budget_tokens(b, len(context_ids)) for b in budgets},
+        }
+    if s.questions:  # several questions over the one context: each one's ids after the context's, and its golds
+        split["questions"] = [{"question": a.question, "question_ids": split_ids(tokenizer, a)[1], "answers": a.answers}
+                              for a in asked(s)]  # fmt: skip
+    return {
+        "id": sid,
+        "task": s.task,
+        "context_tokens": s.context_tokens,
+        "depth": s.depth,
+        "prompt": s.prompt,
+        "input_ids": ids,
+        "answers": s.answers,
+        "metric": s.metric,  # ruler.score's metric for the task
+        "max_new_tokens": new,
+        "h2o_kv_budget_tokens": {str(b): budget_tokens(b, len(ids) if split else s.context_tokens) for b in budgets},
+        **split,
+        "seed": s.metadata["seed"],
+    }
 
 
 def kv_bytes_per_token(config) -> int:
@@ -69,30 +111,8 @@ def export(args: argparse.Namespace) -> None:
             raise ValueError(f"--tasks: {task!r} is not one of {sorted(SHORT)}")
         cap = None if args.gen_cap <= 0 else args.gen_cap
         for context in (int(c) for c in args.contexts.split(",")):
-            for i, s in enumerate(samples_for(tokenizer, haystack, task, context, args.n, args.seed)):
-                context_ids, question_ids = split_ids(tokenizer, s)  # as h2o_kv's retrieval runner encodes prompts
-                ids = context_ids + question_ids
-                new = max_new_tokens(task) if cap is None else min(max_new_tokens(task), cap)
-                split = {}
-                if question_ids:  # RULER's thirteen: budgets of what is compressed, per sample (as kvpress's)
-                    split = {
-                        "context_ids": context_ids,
-                        "question_ids": question_ids,
-                        "h2o_kv_budget_tokens_agnostic": {str(b): budget_tokens(b, len(context_ids)) for b in budgets},
-                    }
-                record = {
-                    "id": f"{SHORT[task]}-{context}-{i:02d}",
-                    "task": task,
-                    "context_tokens": context,
-                    "depth": s.depth,
-                    "prompt": s.prompt,
-                    "input_ids": ids,
-                    "answers": s.answers,
-                    "metric": s.metric,  # ruler.score's metric for the task
-                    "max_new_tokens": new,
-                    "h2o_kv_budget_tokens": {str(b): budget_tokens(b, len(ids) if split else context) for b in budgets},
-                    **split,
-                    "seed": s.metadata["seed"],
+            for i, s in enumerate(samples_for(tokenizer, haystack, task, context, args.n, args.seed, args.questions)):
+                record = sample_record(tokenizer, s, f"{SHORT[task]}-{context}-{i:02d}", budgets, cap) | {
                     "model_dir": str(model_dir),
                     "corpus": args.corpus or "shakespeare (h2o_kv.studies.data default)",
                     "eos_token_id": model.generation_config.eos_token_id,
@@ -106,19 +126,26 @@ def export(args: argparse.Namespace) -> None:
 
 def check(results_path: str, samples_path: str) -> None:
     """Re-score run_kvpress.py's cached predictions with h2o-kv's own scorer; exit 1 on any mismatch."""
-    samples = {}
+    samples, questions = {}, {}
     for line in Path(samples_path).read_text().splitlines():
         r = json.loads(line)
         samples[r["id"]] = Sample(r["prompt"], r["answers"], r["task"], r["context_tokens"], r["depth"],
                                   metric=r.get("metric", "string_match_all"))  # fmt: skip
+        questions[r["id"]] = [q["answers"] for q in r.get("questions", [])]
     cells = json.loads(Path(results_path).read_text())["cells"]
     bad = total = 0
     for cell in cells.values():
         for sid, rec in cell["samples"].items():
-            total += 1
-            if abs(score(samples[sid], rec["prediction"]) - rec["score"]) > 1e-9:
-                bad += 1
-                print(f"mismatch {cell['press']} {cell['ratio']} {sid}: {rec['score']}", file=sys.stderr)
+            if "predictions" in rec:  # several questions: each prediction against its question's golds
+                asks = zip(questions[sid], rec["predictions"], rec["scores"], strict=True)
+                pairs = [(replace(samples[sid], answers=golds), pred, got) for golds, pred, got in asks]
+            else:
+                pairs = [(samples[sid], rec["prediction"], rec["score"])]
+            for sample, prediction, recorded in pairs:
+                total += 1
+                if abs(score(sample, prediction) - recorded) > 1e-9:
+                    bad += 1
+                    print(f"mismatch {cell['press']} {cell['ratio']} {sid}: {recorded}", file=sys.stderr)
     print(f"re-scored {total} predictions with h2o_kv.studies.eval.ruler.score: {bad} mismatches")
     if bad:
         sys.exit(1)
@@ -135,6 +162,8 @@ def main() -> None:
     p.add_argument("--corpus", default=None, help="haystack source (default: h2o_kv.studies.data's default corpus)")
     p.add_argument("--gen-cap", type=int, default=32, help="cap on RULER's generation length (0: no cap)")
     p.add_argument("--budgets", default="0.1,0.2", help="h2o-kv budget fractions to record in tokens")
+    p.add_argument("--questions", type=int, default=1,
+                   help="questions per context of RULER's niah_multikey_* and qa_* (issue 50)")  # fmt: skip
     p.add_argument("--check", metavar="RESULTS_JSON", help="re-score run_kvpress.py's results instead")
     args = p.parse_args()
     if args.check:

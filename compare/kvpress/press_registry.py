@@ -5,6 +5,8 @@ from __future__ import annotations
 from kvpress import (
     AdaKVPress,
     ExpectedAttentionPress,
+    KeyDiffPress,
+    KVzipPress,
     ObservedAttentionPress,
     SnapKVPress,
     StreamingLLMPress,
@@ -42,6 +44,14 @@ PRESSES = {
     "snapkv_kernel31": lambda r: SnapKVPress(compression_ratio=r, kernel_size=31),
     "snapkv_window32_kernel31": lambda r: SnapKVPress(compression_ratio=r, window_size=32, kernel_size=31),
     "tova_per_kv_head": lambda r: TOVAPerKVHead(compression_ratio=r),
+    # issue 50's query-agnostic candidates: KVzip ranks the context by having the model repeat it (its own passes),
+    # KeyDiff by each key's cosine distance from the mean key
+    "kvzip": lambda r: KVzipPress(compression_ratio=r),
+    "keydiff": lambda r: KeyDiffPress(compression_ratio=r),
 }
 DEFAULT_PRESSES = ("snapkv", "expected_attention", "tova", "streamingllm", "observed_attention", "adakv_snapkv")
+# issue 50, compress once and answer many (run with --ratios 0.75,0.9: 25 % and 10 % kept)
+COMPRESS_ONCE_PRESSES = ("kvzip", "expected_attention", "snapkv", "tova", "keydiff", "adakv_snapkv", "streamingllm",
+                         "observed_attention")  # fmt: skip
 EAGER = {"observed_attention"}
+OWN_PASS = {"kvzip"}  # presses that run forward passes of their own: never from the shared prefill

@@ -15,6 +15,12 @@ compresses the sample's ``context_ids`` alone, then the ``question_ids`` go thro
 a second call without the press (positions after the context's, as kvpress's pipeline numbers them), and
 the answer is decoded from that call's logits. Run each setting into its own ``--out``.
 
+Several questions per context (issue 50: ``export_samples.py --questions 4``, ``--setting query-agnostic``): each
+press compresses the context once and kvpress's pipeline answers every question from it, ``questions=[...]``, its
+native mode (questions.py); each answer is scored by its question's golds, the sample's score is their mean. For the
+study: ``--presses`` from press_registry.COMPRESS_ONCE_PRESSES (KVzip, ExpectedAttention, SnapKV, TOVA, KeyDiff, ...)
+at ``--ratios 0.75,0.9`` (25 % and 10 % kept), as ``make -f compare/kvpress/Makefile kvpress-compress-once`` runs.
+
 Presses (kvpress defaults otherwise): SnapKV, ExpectedAttention, TOVA, StreamingLLM, ObservedAttention
 (kvpress's H2O-style press; needs eager attention, so it runs on an eager copy of the model) and
 AdaKV(SnapKV), at compression ratios 0.8 and 0.9 (keep 20 % / 10 % of the prompt), plus Full
@@ -43,61 +49,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import time
 from pathlib import Path
 
 import kvpress
 import torch
-from kvpress.presses.base_press import is_prefilling
-from press_registry import DEFAULT_PRESSES, EAGER, PRESSES
-from transformers import AutoModelForCausalLM, DynamicCache
-
-# ----------------------------------------------------------------------------------------- scoring
-# h2o_kv.studies.eval.ruler.score, copied (RULER's postprocess + string_match_all / string_match_part);
-# export_samples.py --check re-scores every cached prediction with the original to prove they agree.
-
-
-def score(prediction: str, answers: list[str], metric: str) -> float:
-    p = re.sub(r"[\x00-\x08\x0b-\x1f]", "\n", prediction).strip().lower()
-    if metric == "string_match_all":
-        return sum(1.0 for a in answers if a.lower() in p) / len(answers)
-    if metric == "string_match_part":
-        return 1.0 if any(a.lower() in p for a in answers) else 0.0
-    raise ValueError(f"unknown metric {metric!r}")
-
-
-# ---------------------------------------------------------------------------------------- caching
-
-
-def kv_stats(cache: DynamicCache, masked: list | None) -> dict:
-    """Bytes of the cache's key/value tensors and tokens per (layer, KV head), actual and effective."""
-    nbytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
-    lengths = [layer.keys.shape[2] for layer in cache.layers]
-    heads = cache.layers[0].keys.shape[1]
-    effective = [n - (0 if m is None else len(m[0]) / heads) for n, m in zip(lengths, masked or [None] * len(lengths))]
-    return {
-        "kv_bytes": int(nbytes),
-        "kv_tokens": sum(lengths) / len(lengths),
-        "kv_tokens_effective": sum(effective) / len(effective),
-    }
-
-
-def new_cache(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
-    cache = DynamicCache()
-    for i, (k, v) in enumerate(layers):
-        cache.update(k, v, i)
-    return cache
-
-
-def attn_modules(model) -> list:
-    return [layer.self_attn for layer in model.model.layers]
-
-
-def set_masks(model, masks: list | None) -> None:
-    """AdaKV's per-layer masked indices (kvpress's attention patch reads module.masked_key_indices)."""
-    for i, module in enumerate(attn_modules(model)):
-        module.masked_key_indices = None if masks is None else masks[i]
+from kv_tools import kv_stats, score, set_masks, shared_prefill, standard_prefill
+from press_registry import DEFAULT_PRESSES, EAGER, OWN_PASS, PRESSES
+from questions import run_questions
+from transformers import AutoModelForCausalLM
 
 
 @torch.no_grad()
@@ -114,63 +74,15 @@ def decode(model, cache, first_logits: torch.Tensor, n_prompt: int, max_new: int
     return [t for t in out if t not in eos]
 
 
-@torch.no_grad()
-def shared_prefill(model, ids: torch.Tensor, presses: dict) -> tuple[torch.Tensor, dict]:
-    """One prefill; each press compresses the same layer inputs into its own cache.
-
-    Returns the last logits and {name: (cache, adakv masks or None)}; name "full" is the uncompressed cache.
-    """
-    for press in presses.values():
-        press.post_init_from_model(model)
-    kept: dict[str, list] = {name: [] for name in presses}
-    masks: dict[str, list] = {name: [] for name in presses}
-
-    def hook(module, args, kwargs, output):
-        if not is_prefilling(kwargs["cache_position"], kwargs["hidden_states"].shape[1]):
-            return output
-        layer = kwargs["past_key_values"].layers[module.layer_idx]
-        for name, press in presses.items():
-            module.masked_key_indices = None
-            k, v = press.compress(module, kwargs["hidden_states"], layer.keys, layer.values, output[1], kwargs)
-            kept[name].append((k.clone(), v.clone()))
-            masks[name].append(getattr(module, "masked_key_indices", None))
-        module.masked_key_indices = None
-        return output
-
-    hooks = []
-    for layer in model.model.layers:
-        layer.self_attn.rotary_emb = model.model.rotary_emb  # what BasePress.__call__ sets up
-        hooks.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
-    try:
-        base = DynamicCache()
-        logits = model(input_ids=ids, past_key_values=base, logits_to_keep=1).logits[0, -1]
-    finally:
-        for h in hooks:
-            h.remove()
-    out = {name: (new_cache(kept[name]), masks[name] if any(m is not None for m in masks[name]) else None)
-           for name in presses}  # fmt: skip
-    out["full"] = (base, None)
-    return logits, out
-
-
-@torch.no_grad()
-def standard_prefill(model, ids: torch.Tensor, press) -> tuple[torch.Tensor, DynamicCache, list | None]:
-    """The documented kvpress way: the press's hooks active during one forward call."""
-    cache = DynamicCache()
-    if press is None:
-        logits = model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits[0, -1]
-        return logits, cache, None
-    with press(model):
-        logits = model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits[0, -1]
-    masks = [getattr(m, "masked_key_indices", None) for m in attn_modules(model)]
-    return logits, cache, masks if any(m is not None for m in masks) else None
-
-
 # ------------------------------------------------------------------------------------------- runs
 
 
-def cell_key(press: str, ratio: float | None, task: str, context: int, agnostic: bool = False) -> str:
-    return f"{press}|{ratio}|{task}|{context}" + ("|agnostic" if agnostic else "")
+def cell_key(
+    press: str, ratio: float | None, task: str, context: int, agnostic: bool = False, questions: int = 1
+) -> str:
+    """The cell of (press, ratio, task, context) in one setting; several questions per sample: a cell of their own."""
+    key = f"{press}|{ratio}|{task}|{context}" + ("|agnostic" if agnostic else "")
+    return key + (f"|q{questions}" if questions > 1 else "")
 
 
 def configs(names: list[str], ratios: list[float]) -> list[tuple[str, float | None]]:
@@ -189,7 +101,10 @@ def save_state(path: Path, state: dict) -> None:
 
 def run_sample(models: dict, rec: dict, todo: list, mode: str, eos: set[int], agnostic: bool = False) -> dict:
     """{(press, ratio): result} for one sample under every config in `todo`. `agnostic`: the press compresses the
-    context alone; the question (its ids after the context's) is the next call, uncompressed, as kvpress's pipeline."""
+    context alone; the question (its ids after the context's) is the next call, uncompressed, as kvpress's pipeline.
+    A record with several questions runs kvpress's pipeline question by question (questions.py)."""
+    if agnostic and "questions" in rec:
+        return run_questions(models, rec, todo, mode)
     ids = torch.tensor([rec["context_ids"] if agnostic else rec["input_ids"]])
     n, new = ids.shape[1], rec["max_new_tokens"]
     question = torch.tensor([rec["question_ids"]]) if agnostic else None
@@ -218,16 +133,15 @@ def run_sample(models: dict, rec: dict, todo: list, mode: str, eos: set[int], ag
             "decode_s": round(time.perf_counter() - t0, 3),
         }
 
-    if mode == "standard":
-        for cfg in todo:
-            name, ratio = cfg
-            model = models["eager" if name in EAGER else "sdpa"]
-            t0 = time.perf_counter()
-            logits, cache, masks = standard_prefill(model, ids, None if name == "full" else PRESSES[name](ratio))
-            finish(cfg, model, logits, cache, masks, time.perf_counter() - t0)
-        return results
+    standard = todo if mode == "standard" else [c for c in todo if c[0] in OWN_PASS]  # KVzip: passes of its own
+    for cfg in standard:
+        name, ratio = cfg
+        model = models["eager" if name in EAGER else "sdpa"]
+        t0 = time.perf_counter()
+        logits, cache, masks = standard_prefill(model, ids, None if name == "full" else PRESSES[name](ratio))
+        finish(cfg, model, logits, cache, masks, time.perf_counter() - t0)
     for kind in ("sdpa", "eager"):
-        group = [c for c in todo if (c[0] in EAGER) == (kind == "eager")]
+        group = [c for c in todo if c not in standard and (c[0] in EAGER) == (kind == "eager")]
         if not group:
             continue
         presses = {f"{name}|{ratio}": PRESSES[name](ratio) for name, ratio in group if name != "full"}
@@ -247,7 +161,7 @@ def load_models(model_dir: str, need_eager: bool) -> dict:
     hf_logging.disable_progress_bar()
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    models = {"tokenizer_decode": lambda t: tok.decode(t, skip_special_tokens=True)}
+    models = {"tokenizer": tok, "tokenizer_decode": lambda t: tok.decode(t, skip_special_tokens=True)}
     models["sdpa"] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     models["sdpa"].eval()
     if need_eager:
@@ -268,9 +182,13 @@ def main() -> None:
     p.add_argument(
         "--task-order", default="niah_single,passkey,variable_tracking", help="which task's samples run first"
     )
-    p.add_argument("--mode", choices=("shared", "standard"), default="shared")
+    p.add_argument("--mode", choices=("shared", "standard"), default="shared",
+                   help="shared: one prefill for every press; standard: each press its own (several questions: "
+                   "kvpress's pipeline per press); KVzip always runs its own")  # fmt: skip
     p.add_argument("--setting", choices=("query-aware", "query-agnostic"), default="query-aware",
-                   help="query-agnostic: compress the context alone, then the question (RULER's 13)")  # fmt: skip
+                   help="query-agnostic: compress the context alone, then the question (RULER's 13); a sample "
+                   "exported with several questions (export_samples.py --questions 4) is compressed once and each "
+                   "question answered from it, kvpress's pipeline questions=[...] (issue 50)")  # fmt: skip
     p.add_argument("--validate", type=int, default=0, help="compare shared vs standard on N samples, then stop")
     p.add_argument("--summarize", action="store_true", help="only rewrite the tables from OUT/results.json")
     args = p.parse_args()
@@ -313,6 +231,8 @@ def main() -> None:
     agnostic = args.setting == "query-agnostic"
     if agnostic and not all("question_ids" in r for r in records):
         raise SystemExit("--setting query-agnostic needs samples with question_ids (export RULER's thirteen tasks)")
+    if not agnostic and any("questions" in r for r in records):
+        raise SystemExit("samples with several questions run --setting query-agnostic (compressed once, then each)")
     models = load_models(records[0]["model_dir"], need_eager=any(n in EAGER for n in names))
     cfgs = configs(names, ratios)
     if args.validate:
@@ -328,11 +248,13 @@ def main() -> None:
         "samples": args.samples,
         "model_dir": records[0]["model_dir"],
         "setting": args.setting,
+        "questions": max(len(r.get("questions", [])) or 1 for r in records),
     }
     done = 0
     start = time.perf_counter()
     for i, rec in enumerate(records):
-        keys = {c: cell_key(c[0], c[1], rec["task"], rec["context_tokens"], agnostic) for c in cfgs}
+        asks = len(rec.get("questions", [])) or 1
+        keys = {c: cell_key(c[0], c[1], rec["task"], rec["context_tokens"], agnostic, asks) for c in cfgs}
         todo = [c for c in cfgs if rec["id"] not in state["cells"].get(keys[c], {}).get("samples", {})]
         if not todo:
             continue
@@ -344,6 +266,7 @@ def main() -> None:
             cell = state["cells"].setdefault(
                 keys[cfg],
                 {"press": cfg[0], "ratio": cfg[1], "task": rec["task"], "context": rec["context_tokens"]}
+                | ({"questions": asks} if asks > 1 else {})
                 | {"samples": {}},
             )
             cell["samples"][rec["id"]] = res
@@ -355,15 +278,17 @@ def main() -> None:
 
 
 def validate(models: dict, records: list[dict], cfgs: list, eos: set[int], agnostic: bool = False) -> None:
-    """Shared prefill vs one prefill per press: same predictions and cache sizes, or exit 1."""
+    """Shared prefill vs one prefill per press (several questions: kvpress's pipeline): same predictions and cache
+    sizes, or exit 1."""
     bad = 0
     for rec in records:
         a = run_sample(models, rec, cfgs, "shared", eos, agnostic)
         b = run_sample(models, rec, cfgs, "standard", eos, agnostic)
         for cfg in cfgs:
-            same = all(a[cfg][k] == b[cfg][k] for k in ("prediction", "kv_bytes", "kv_tokens_effective"))
+            said = {k: r[cfg].get("predictions", r[cfg].get("prediction")) for k, r in (("a", a), ("b", b))}
+            same = said["a"] == said["b"] and all(a[cfg][k] == b[cfg][k] for k in ("kv_bytes", "kv_tokens_effective"))
             bad += not same
-            print(f"{rec['id']} {cfg}: shared {a[cfg]['prediction']!r} standard {b[cfg]['prediction']!r} "
+            print(f"{rec['id']} {cfg}: shared {said['a']!r} standard {said['b']!r} "
                   f"bytes {a[cfg]['kv_bytes']}/{b[cfg]['kv_bytes']} {'ok' if same else 'DIFFERENT'}")  # fmt: skip
     print(f"validate: {bad} differences")
     if bad:

@@ -7,6 +7,7 @@
     h2o-kv eval --tasks perplexity --budgets 64,128,256 --corpus my_texts/
     h2o-kv eval --tasks summarize --data xsum.jsonl
     h2o-kv eval --model qwen2.5-coder-0.5b --tasks retrieval --size ruler4k --setting both --budgets 0.25
+    h2o-kv eval --model qwen2.5-coder-0.5b --size compress-once   # issue 50: each context compressed once, 4 questions
 Also runnable as `python -m h2o_kv.studies.eval.cli ...`.
 """
 
@@ -44,21 +45,34 @@ def _list(text: str) -> list[str]:
     return [s.strip() for s in text.split(",") if s.strip()]
 
 
+class _Given(argparse.Action):
+    """Stores the value and notes that the flag was given (a size's own tasks, policies and budgets yield to it)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.given = getattr(namespace, "given", set()) | {self.dest}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--model", default="smollm2-135m", help="bundled name, local HF dir, .gguf file or hub id")
     add("--device", default="cpu")
-    add("--tasks", default=",".join(DEFAULT_TASKS), help=f"comma list of {', '.join(TASKS)}")
+    add("--tasks", action=_Given, default=",".join(DEFAULT_TASKS),
+        help=f"comma list of {', '.join(TASKS)} (a size with its own, compress-once: those)")  # fmt: skip
     add(
         "--policies",
+        action=_Given,
         default=",".join(DEFAULT_POLICIES),
-        help="comma list (a name ending in -int8 stores int8 KV); Full always runs as the reference",
+        help="comma list (a name ending in -int8 stores int8 KV); Full always runs as the reference (a size with its "
+        "own, compress-once: those)",
     )
     add(
         "--budgets",
+        action=_Given,
         type=_budgets,
         default=",".join(map(str, DEFAULT_BUDGETS)),
-        help="fractions of the length (0.05,0.1,0.2,0.5) or token counts (64,128,256)",
+        help="fractions of the length (0.05,0.1,0.2,0.5) or token counts (64,128,256) (a size with its own, "
+        "compress-once: those)",
     )
     add(
         "--size",
@@ -68,7 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "needle retrieval, 20 samples per context; ruler: passkey and variable tracking, 20 samples (the kvpress "
         "side by side's); qwen: the real-model study (needle, passkey, variable tracking at 4k and 2k, 20 samples; "
         "perplexity over 2k windows), for --model qwen2.5-coder-0.5b; ruler4k: RULER's thirteen tasks at 4k, 5 samples "
-        "each, query-aware and query-agnostic (issue 52)",
+        "each, query-aware and query-agnostic (issue 52); compress-once: RULER's multikey, multivalue and QA tasks at "
+        "4k, each context compressed once without its questions, then 4 questions answered from forks of that cache, "
+        "5 samples each, 8 policies at 25 %% and 10 %% (issue 50)",
     )
     add(
         "--setting",
@@ -90,6 +106,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: the size's)",
     )
     add("--samples", type=int, default=None, help="retrieval samples per task and context (default: the size's)")
+    add(
+        "--questions",
+        type=int,
+        default=None,
+        help="questions per context for RULER's niah_multikey_* and qa_* (query-agnostic: the context compressed once, "
+        "each question answered from a fork; others keep one question); 1: one question, as always (default: the "
+        "size's)",
+    )
     add("--prefills", default=None, help="retrieval prefill settings: oneshot,agnostic,stream (default: the size's)")
     add("--windows", type=int, default=None, help="perplexity text windows (default: the size's)")
     add(
@@ -119,16 +143,26 @@ def main(args: argparse.Namespace) -> int:
     """Load the model, run the evaluation, write the results and print where they are."""
     if not extra_installed("eval", "eval", ("matplotlib", "tqdm")):
         return 2
+    preset, given = SIZES[args.size], getattr(args, "given", set())
+    if preset.eval_tasks is not None and "tasks" not in given:
+        args.tasks = ",".join(preset.eval_tasks)
+    if preset.policies is not None and "policies" not in given:
+        args.policies = ",".join(preset.policies)
+    if preset.budgets is not None and "budgets" not in given:
+        args.budgets = list(preset.budgets)
     check_eval(_list(args.tasks), _list(args.policies), args.data)  # bad names: one line, before torch loads
     tasks = _subtasks(args.retrieval_tasks)
     if args.samples is not None and args.samples < 1:
         raise ValueError(f"--samples must be at least 1, got {args.samples}")
+    questions = getattr(args, "questions", None)
+    if questions is not None and questions < 1:
+        raise ValueError(f"--questions must be at least 1, got {questions}")
     prefills = _prefills(args.prefills)
     if args.setting is not None:
         if prefills is not None:
             raise ValueError("give --setting or --prefills, not both")
         prefills = SETTINGS[args.setting]
-    size = SIZES[args.size].with_contexts(_contexts(args.contexts), prefills, tasks, args.samples)
+    size = preset.with_contexts(_contexts(args.contexts), prefills, tasks, args.samples, questions)
     size = size.with_windows(args.windows)
     if "retrieval" in _list(args.tasks):
         check_retrieval(size.retrieval)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from h2o_kv.studies.eval.ruler_build import Filler, check_depth, common_words, niah, passkey, variable_tracking
@@ -40,6 +40,7 @@ __all__ = [
     "TASKS",
     "TOKENS_TO_GENERATE",
     "Sample",
+    "asked",
     "hf_tokenizer_len",
     "make_dataset",
     "make_sample",
@@ -73,6 +74,8 @@ class Sample:
     query needle's requested depth in [0, 1] (``None`` for tasks without a single needle). RULER's thirteen
     tasks also split the prompt: ``context`` (compressed alone when query-agnostic) + ``question`` (RULER's
     question and answer prefix, fed after it); older tasks leave both empty. ``metric`` is RULER's for the task.
+    ``questions``: (question, golds) of each question over the one context when a sample has several
+    (`ruler_tasks`' ``questions=``), the first being ``question`` / ``answers``; empty for one question.
     """
 
     prompt: str
@@ -84,6 +87,20 @@ class Sample:
     context: str = ""
     question: str = ""
     metric: str = ALL
+    questions: list[tuple[str, list[str]]] = field(default_factory=list)
+
+
+def asked(sample: Sample) -> list[Sample]:
+    """One sample per question of `sample` (its context, that question and its golds; scored by `score`); a
+    one-question sample is itself."""
+    if not sample.questions:
+        return [sample]
+    n = len(sample.questions)
+    return [
+        replace(sample, prompt=sample.context + q, question=q, answers=list(golds), questions=[],
+                metadata={**sample.metadata, "question": i, "questions": n})
+        for i, (q, golds) in enumerate(sample.questions)
+    ]  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------- scoring

@@ -6,6 +6,10 @@ Shakespeare, where RULER has Paul Graham's essays) or other needles ("needle": r
 "adjective-noun" words (wonderwords' lists, as RULER) or UUIDs; values 7-digit numbers or UUIDs. ``keys`` needles with
 ``values`` values each; ``queries`` of the keys are asked, and the answer is every value of every asked key. With one
 value asked the template is RULER's singular one ("A special magic number ... is").
+
+``questions=k`` (k > 1, one asked key): k questions over one context, each about its own needle's key (the asked one
+first, then the other needles in order; needles added, drawn after RULER's, up to k), each gold that needle's values.
+The context is fitted beside the longest question; the header stays the one-question header.
 """
 
 from __future__ import annotations
@@ -68,24 +72,41 @@ class _Needles:
 
 
 def niah(rng: random.Random, fitter: Fitter, haystack: str, words: Words, *, haystack_kind: str, key: str, value: str,
-         keys: int, values: int, queries: int) -> Built:  # fmt: skip
-    """One NIAH sample fitted by `fitter`: (context, question, answer prefix, golds, metadata)."""
+         keys: int, values: int, queries: int, questions: int = 1) -> Built:  # fmt: skip
+    """One NIAH sample fitted by `fitter`: (context, question, answer prefix, golds, metadata); with `questions` > 1
+    the metadata's "questions" holds each (question + prefix, golds)."""
+    if questions > 1 and queries != 1:
+        raise ValueError(f"several questions ask one key each; this task asks {queries} keys at once")
     keys = max(keys, queries)  # as RULER: every asked key has a needle
     taken: set[str] = set()
     key_list = [_fresh(rng, key, words, taken) for _ in range(keys)]
     gold: set[str] = set()
     value_lists = [[_fresh(rng, value, words, gold) for _ in range(values)] for _ in key_list]
+    asked = sorted(rng.sample(range(keys), queries))
+    for _ in range(questions - keys):  # a needle for each further question, drawn after RULER's draws
+        key_list.append(_fresh(rng, key, words, taken))
+        value_lists.append([_fresh(rng, value, words, gold) for _ in range(values)])
     kind = value  # the needle names its values' kind in the plural, as RULER's does
     needles = [_NEEDLE.format(kind=kind, key=k, value=v) for k, vs in zip(key_list, value_lists) for v in vs]
-    asked = sorted(rng.sample(range(keys), queries))
     names = [key_list[i] for i in asked]
-    query = names[0] if queries == 1 else ", ".join(names[:-1]) + ", and " + names[-1]
     answers = [v for i in asked for v in value_lists[i]]
     one = len(answers) == 1
     shown = kind[:-1] if one else kind
     header = (_HEADER_1 if one else _HEADER).format(kind=shown)
-    question = (_QUESTION_1 if one else _QUESTION).format(kind=shown, query=query)
-    prefix = (_PREFIX_1 if one else _PREFIX).format(kind=shown, query=query)
+
+    def ask(names: list[str]) -> str:
+        query = names[0] if len(names) == 1 else ", ".join(names[:-1]) + ", and " + names[-1]
+        return (_QUESTION_1 if one else _QUESTION).format(kind=shown, query=query)
+
+    def answer_prefix(names: list[str]) -> str:
+        query = names[0] if len(names) == 1 else ", ".join(names[:-1]) + ", and " + names[-1]
+        return (_PREFIX_1 if one else _PREFIX).format(kind=shown, query=query)
+
+    question, prefix = ask(names), answer_prefix(names)
+    others = [i for i in range(len(key_list)) if i not in asked][: questions - 1]
+    asks = [(question + prefix, answers)] + [
+        (ask([key_list[i]]) + answer_prefix([key_list[i]]), list(value_lists[i])) for i in others
+    ]
     if haystack_kind == "essay":
         filler = Filler(haystack, rng)
         depths = [d / 100 for d in rng.sample(DEPTHS, len(needles))]
@@ -113,7 +134,10 @@ def niah(rng: random.Random, fitter: Fitter, haystack: str, words: Words, *, hay
             return "\n".join(out)
     else:
         raise ValueError(f"haystack must be repeat, essay or needle, got {haystack_kind!r}")
-    n, context = fitter.fit(lambda n: f"{header}\n{body(n)}\n", question + prefix, unit)
+    longest = max((q for q, _ in asks), key=fitter.question_len) if questions > 1 else asks[0][0]  # room for each
+    n, context = fitter.fit(lambda n: f"{header}\n{body(n)}\n", longest, unit)
     meta = {"answer_prefix": prefix, "question_only": question, "haystack": haystack_kind, "keys": key_list,
             "values": value_lists, "asked": names, "needle_depths": depths, "haystack_units": n}  # fmt: skip
+    if questions > 1:
+        meta |= {"questions": asks, "questions_asked": [names[0]] + [key_list[i] for i in others]}
     return context, question + prefix, answers, meta

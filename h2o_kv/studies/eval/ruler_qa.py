@@ -11,6 +11,9 @@ home town, a company's founder: names made of wonderwords' words, so the model c
 * qa_2 (two facts, HotpotQA's bridge questions): "In which town was the author of The Brave Lantern born?" needs the
   author fact and the home-town fact of that author, in two documents; distractor authors have home towns too.
 
+``questions=k`` (k > 1): k questions over one context, each with its own gold fact (qa_1) or fact pair (qa_2), drawn
+after the one-question sample's facts and distractors; the context is fitted beside the longest question.
+
 These are retrieval-heavy reading tests, easier than SQuAD/HotpotQA's paraphrased questions; tables label them
 "(synthetic)" (`ruler_spec.label`) and they are not comparable with published qa_1/qa_2 numbers.
 """
@@ -73,33 +76,51 @@ class _Names:
         return _FACTS[kind][0].format(a=subject, b=value), subject, value
 
 
-def _facts(rng: random.Random, names: _Names, hops: int, distractors: int) -> tuple[list[str], str, str, list[int]]:
-    """(fact statements, question, answer, indexes of the gold facts) for one sample."""
+def _facts(
+    rng: random.Random, names: _Names, hops: int, distractors: int, questions: int = 1
+) -> tuple[list[str], list[tuple[str, str]], list[int]]:
+    """(fact statements, (question, answer) of each question, indexes of the gold facts) for one sample: the first
+    question's facts, the distractors, then each further question's facts."""
+    asks, gold = [], []
     if hops == 1:
         kind = rng.choice(sorted(_FACTS))
         statement, subject, answer = names.fact(kind)
-        facts, question = [statement], _FACTS[kind][1].format(a=subject)
+        facts, asks, gold = [statement], [(_FACTS[kind][1].format(a=subject), answer)], [0]
         for i in range(distractors):
             facts.append(names.fact((kind, rng.choice(sorted(_FACTS)))[i % 2])[0])
-        return facts, question, answer, [0]
+        for _ in range(questions - 1):
+            other = rng.choice(sorted(_FACTS))
+            statement, subject, answer = names.fact(other)
+            gold.append(len(facts))
+            facts.append(statement)
+            asks.append((_FACTS[other][1].format(a=subject), answer))
+        return facts, asks, gold
     kind = rng.choice(sorted(_BRIDGE))
     first, subject, person = names.fact(kind)
     second, _, answer = names.fact("home", person)
-    facts, question = [first, second], _BRIDGE[kind].format(a=subject)
+    facts, asks, gold = [first, second], [(_BRIDGE[kind].format(a=subject), answer)], [0, 1]
     while len(facts) < 2 + distractors:  # other people of the same kind, each with a home town
         other, _, someone = names.fact(kind)
         facts.append(other)
         if len(facts) < 2 + distractors:
             facts.append(names.fact("home", someone)[0])
-    return facts, question, answer, [0, 1]
+    for _ in range(questions - 1):
+        bridge = rng.choice(sorted(_BRIDGE))
+        first, subject, person = names.fact(bridge)
+        second, _, answer = names.fact("home", person)
+        gold += [len(facts), len(facts) + 1]
+        facts += [first, second]
+        asks.append((_BRIDGE[bridge].format(a=subject), answer))
+    return facts, asks, gold
 
 
-def qa(rng: random.Random, fitter: Fitter, haystack: str, words: Words, *, hops: int) -> Built:
-    """One synthetic QA sample: documents of corpus passages, a few carrying a fact, fitted by `fitter`."""
+def qa(rng: random.Random, fitter: Fitter, haystack: str, words: Words, *, hops: int, questions: int = 1) -> Built:
+    """One synthetic QA sample: documents of corpus passages, a few carrying a fact, fitted by `fitter`; with
+    `questions` > 1 the metadata's "questions" holds each (question + prefix, golds)."""
     if hops not in (1, 2):
         raise ValueError(f"qa takes 1 or 2 hops, got {hops}")
     distractors = max(2, min(6, fitter.length // 700))
-    facts, question_text, answer, gold = _facts(rng, _Names(rng, words), hops, distractors)
+    facts, pairs, gold = _facts(rng, _Names(rng, words), hops, distractors, questions)
     filler = Filler(haystack, rng)
     slots = [rng.random() for _ in facts]  # where each fact document goes among the plain ones
     at = [rng.random() for _ in facts]  # where within its passage the fact goes
@@ -118,10 +139,14 @@ def qa(rng: random.Random, fitter: Fitter, haystack: str, words: Words, *, hops:
         body = "\n\n".join(f"Document {i + 1}:\n{d}" for i, d in enumerate(docs))
         return f"{_INSTRUCTION}\n\nThe following are given documents.\n\n{body}\n\n"
 
-    question = f"{_INSTRUCTION}\n\nQuestion: {question_text}"
     prefix = " Answer:"
+    asks = [(f"{_INSTRUCTION}\n\nQuestion: {text}{prefix}", [answer]) for text, answer in pairs]
+    question = asks[0][0].removesuffix(prefix)
     unit = fitter.context_len(passage(0, None, 0.0)) + 6
-    n, context = fitter.fit(render, question + prefix, unit)
+    longest = max((q for q, _ in asks), key=fitter.question_len) if questions > 1 else asks[0][0]  # room for each
+    n, context = fitter.fit(render, longest, unit)
     meta = {"answer_prefix": prefix, "question_only": question, "facts": facts, "gold_facts": gold,
             "documents": n + len(facts), "substitute": "synthetic QA (not SQuAD/HotpotQA)"}  # fmt: skip
-    return context, question + prefix, [answer], meta
+    if questions > 1:
+        meta["questions"] = asks
+    return context, asks[0][0], asks[0][1], meta

@@ -46,6 +46,12 @@ SPECS: dict[str, Spec] = {
     "qa_2": Spec("qa", 32, PART, dict(hops=2)),
 }
 RULER_TASKS: tuple[str, ...] = tuple(SPECS)
+# The tasks whose context can hold several independent questions (`ruler_tasks`' questions=): the multikey needles (one
+# question per needle's key) and the QA documents (one gold document, or pair, per question). The others keep their one
+# question: niah_multivalue's context has a single key (asking it again in other words adds no independent question),
+# niah_single_* would become multikey, niah_multiquery already asks its four keys at once, and vt / cwe / fwe have one
+# answer set per context.
+SEVERAL_QUESTIONS: tuple[str, ...] = ("niah_multikey_1", "niah_multikey_2", "niah_multikey_3", "qa_1", "qa_2")
 
 _ESSAY = "essay haystack: Shakespeare, not Paul Graham's essays"
 SUBSTITUTES: dict[str, str] = {

@@ -152,9 +152,10 @@ def _retrieval(model, tokenizer, runs: list[Config], size: Size, *, mode, corpus
     haystack = load_corpus(corpus, max_chars=2_000_000)
     rows = []
     for context in ret.contexts:
-        samples = make_samples(tokenizer, haystack, tasks=ret.tasks, context_tokens=context, n=ret.samples, seed=seed)
+        samples = make_samples(tokenizer, haystack, tasks=ret.tasks, context_tokens=context, n=ret.samples, seed=seed,
+                               questions=ret.questions)  # fmt: skip
         setting = dict(task="retrieval", tasks=list(ret.tasks), samples=ret.samples, answer_cap=ret.answer_cap,
-                       context=context)  # fmt: skip
+                       context=context, **({"questions": ret.questions} if ret.questions > 1 else {}))  # fmt: skip
         shared = {}
         for prefill in [p for p in SHARED_PREFILLS if p in ret.prefills] or ["oneshot"]:
             configs = runs if prefill in ret.prefills else runs[:1]

@@ -9,8 +9,9 @@ each policy's fresh cache then receives those calls layer by layer (its insert, 
 exactly what the layer would do inside the model), and decodes its answer greedily on its own cache.
 
 Query-agnostic (`question_ids`): the recorded prompt is the context alone, so each cache compresses the context
-without the question; the question then goes into each cache as a second model call (positions after the context,
-as `KVCache.fork`'s "compress once, ask many" does), and the answer is decoded from that call's logits.
+without the question; the question then goes into each cache as a second model call (positions after the context),
+and the answer is decoded from that call's logits. Several questions (`shared_answers`): each cache compresses the
+context once, and each question is answered from its own `KVCache.fork` of it ("compress once, ask many").
 
 A cache that cannot take the recorded calls reads the prompt itself (`_own_prefill`): int8 storage (its attention
 runs on rounded keys) and a policy that ranks the context by a pass of its own (``policy.reconstructs``: KVzip,
@@ -99,11 +100,33 @@ def shared_greedy(
     one recorded prefill, with the bytes each cache's kept tokens hold after the prompt (`kept_nbytes`). Each
     answer stops at EOS (kept), `max_new_tokens` or `done(tokens)`. A cache that cannot replay (int8) reads the
     prompt itself (KVzip's pass needs `tokenizer`). With `question_ids` the prompt is compressed alone and the question
-    is each cache's next call (the bytes are still those after the prompt, before the question). The prefill is
-    recorded at the first cache that replays it, so caches that all read the prompt themselves cost no recording."""
+    is each cache's next call (the bytes are still those after the prompt, before the question). `shared_answers`
+    with one question."""
+    answers = shared_answers(model, prompt_ids, caches, [question_ids], max_new_tokens=max_new_tokens, eos=eos,
+                             done=[done], tokenizer=tokenizer)  # fmt: skip
+    return {key: (outs[0], kv_bytes) for key, (outs, kv_bytes) in answers.items()}
+
+
+def shared_answers(
+    model: Any,
+    prompt_ids: Sequence[int],
+    caches: dict[Any, Callable[[], KVCache]],
+    questions: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    eos: set[int] = frozenset(),
+    done: Sequence[Callable[[list[int]], bool] | None] | None = None,
+    tokenizer: Any = None,
+) -> dict[Any, tuple[list[list[int]], int]]:
+    """{key: (the greedy answer to each of `questions`, the cache's kept bytes after the prompt)}: each cache of
+    `caches` compresses the prompt once (replaying the one recorded prefill, or reading it itself), then each question
+    (token ids) is that cache's next call, at the positions after the prompt, from its own `KVCache.fork` (the last
+    from the cache itself). An empty question answers from the prompt's own last logits (query-aware). `done`: one
+    stopping test per question (or None). The prefill is recorded at the first cache that replays it, so caches that
+    all read the prompt themselves cost no recording."""
     recorded = None
-    n = len(prompt_ids)
-    question = torch.tensor([list(question_ids)], device=model.device) if question_ids else None
+    n, last = len(prompt_ids), len(questions) - 1
+    stops = [None] * len(questions) if done is None else list(done)
     answers = {}
     for key, make in caches.items():
         cache = make()
@@ -113,13 +136,18 @@ def shared_greedy(
                 first = recorded[0]
                 replay(cache, recorded[1])
             else:
-                first = _own_prefill(model, cache, prompt_ids, tokenizer, logits_needed=question is None)
+                first = _own_prefill(model, cache, prompt_ids, tokenizer, logits_needed=not all(questions))
             kv_bytes = cache.kept_nbytes()
-            if question is not None:
-                positions = torch.arange(n, n + question.shape[1], device=model.device).unsqueeze(0)
-                first = forward(model, cache, question, positions=positions)
-            start = n + len(question_ids)
-            answers[key] = (greedy_continue(model, cache, first, start, max_new_tokens, eos, done), kv_bytes)
+            outs = []
+            for i, (question, stop) in enumerate(zip(questions, stops, strict=True)):
+                mine = cache if i == last else cache.fork()
+                logits = first
+                if question:
+                    ids = torch.tensor([list(question)], device=model.device)
+                    positions = torch.arange(n, n + len(question), device=model.device).unsqueeze(0)
+                    logits = forward(model, mine, ids, positions=positions)
+                outs.append(greedy_continue(model, mine, logits, n + len(question), max_new_tokens, eos, stop))
+        answers[key] = (outs, kv_bytes)
     return answers
 
 

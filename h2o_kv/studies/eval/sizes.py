@@ -1,6 +1,7 @@
 """What `h2o-kv eval` runs by default and how big: tasks, policies, budgets and the size presets.
 
-"small" runs in minutes on a laptop CPU (the committed results); "large" is the fuller protocol.
+"small" runs in minutes on a laptop CPU (the committed results); "large" is the fuller protocol; a preset may name
+its own tasks, policies and budgets ("compress-once"), which the CLI takes where its flags are not given.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ TASKS = ("perplexity", "retrieval", "fidelity", "summarize")
 DEFAULT_TASKS = ("perplexity", "retrieval", "fidelity")
 DEFAULT_POLICIES = ("h2o", "local", "streamingllm", "tova")
 DEFAULT_BUDGETS = (0.05, 0.1, 0.2, 0.5)
+COMPRESS_ONCE_TASKS = ("niah_multikey_1", "niah_multikey_2", "niah_multikey_3", "niah_multivalue", "qa_1", "qa_2")
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,7 @@ class RetrievalSize:
     prefills: tuple[str, ...]  # "oneshot" (query-aware), "agnostic" (query-agnostic) and/or "stream" (retrieval.py)
     chunk: int  # tokens per call when streaming the prompt
     answer_cap: int | None  # at most this many answer tokens (None: RULER's lengths)
+    questions: int = 1  # questions per context for RULER's multikey and QA tasks (ruler_tasks; 1: one, as always)
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,10 @@ class Size:
     retrieval: RetrievalSize
     fidelity: FidelitySize
     summarize: SummarizeSize
+    # what `h2o-kv eval --size NAME` runs where --tasks, --policies or --budgets are not given (None: the defaults)
+    eval_tasks: tuple[str, ...] | None = None
+    policies: tuple[str, ...] | None = None
+    budgets: tuple[float | int, ...] | None = None
 
     def with_chunk(self, chunk: int | None) -> Size:
         """The same size with `chunk` tokens between evictions when streaming (perplexity and retrieval)."""
@@ -72,9 +79,13 @@ class Size:
         prefills: tuple[str, ...] | None = None,
         tasks: tuple[str, ...] | None = None,
         samples: int | None = None,
+        questions: int | None = None,
     ) -> Size:
-        """The same size with other retrieval context lengths, prefill settings, tasks or samples per task."""
+        """The same size with other retrieval context lengths, prefill settings, tasks, samples per task or questions
+        per context."""
         retrieval = self.retrieval
+        if questions is not None:
+            retrieval = replace(retrieval, questions=questions)
         if tasks is not None:
             retrieval = replace(retrieval, tasks=tasks)
         if samples is not None:
@@ -156,6 +167,20 @@ SIZES: dict[str, Size] = {
         FidelitySize(prompts=6, passage_tokens=1024, new_tokens=64),
         SummarizeSize(records=8, new_tokens=64, document_tokens=2048),
     ),
+    # Issue 50: compress once, answer many. Query-agnostic at 4k: each context compressed once without its questions,
+    # then 4 questions answered from forks of that cache (RULER's multikey needles, one key each; the QA documents, one
+    # gold document or pair each; niah_multivalue has one key, so one question). kvpress runs the same ids with its
+    # pipeline's questions=[...] (compare/kvpress). 5 samples per task; retrieval only, its own policies and budgets.
+    "compress-once": Size(
+        PerplexitySize(windows=4, length=2048, chunk=16),
+        RetrievalSize(COMPRESS_ONCE_TASKS, (4096,), samples=5, prefills=("agnostic",), chunk=16, answer_cap=None,
+                      questions=4),
+        FidelitySize(prompts=6, passage_tokens=1024, new_tokens=64),
+        SummarizeSize(records=8, new_tokens=64, document_tokens=2048),
+        eval_tasks=("retrieval",),
+        policies=("keydiff", "kvzip", "snapkv", "h2o", "tova", "adakv", "globalkv", "streamingllm"),
+        budgets=(0.25, 0.1),
+    ),
 }  # fmt: skip
 
 
@@ -173,6 +198,8 @@ def check_eval(tasks: Sequence[str], policies: Sequence[str], data: str | None) 
 def check_retrieval(retrieval: RetrievalSize) -> None:
     """Refuse, before any model call, prefill settings that do not exist and query-agnostic runs of tasks that have no
     question part (only RULER's thirteen split their prompt into context and question)."""
+    if isinstance(retrieval.questions, bool) or not isinstance(retrieval.questions, int) or retrieval.questions < 1:
+        raise ValueError(f"--questions must be a count of questions per context >= 1, got {retrieval.questions!r}")
     unknown = set(retrieval.prefills) - {"oneshot", "agnostic", "stream"}
     if unknown:
         raise ValueError(f"unknown prefill setting(s) {sorted(unknown)}; choose from oneshot, agnostic, stream")

@@ -112,7 +112,7 @@ def summary_markdown(rows: list[dict], meta: dict) -> str:
                                 f"| {p} | " + " | ".join("" if math.isnan(v) else f"{v:+.1%}" for v in rel) + " |"
                             )
                     lines.append("")
-    return "\n".join(lines + ruler_lines(rows))
+    return "\n".join(lines + ruler_lines(rows) + questions_lines(rows, meta))
 
 
 def _shown(key: tuple) -> tuple:
@@ -146,6 +146,30 @@ def ruler_lines(rows: list[dict]) -> list[str]:
         lines.append("")
     notes = sorted({SUBSTITUTES[t] for t in {r["subtask"] for r in ruler} if t in SUBSTITUTES})
     return lines + ([f"Substitutes: {'; '.join(notes)} (docs/accuracy.md, RULER section).", ""] if notes else [])
+
+
+def questions_lines(rows: list[dict], meta: dict) -> list[str]:
+    """With several questions per context (`--questions`): per fraction kept, a policy x task table of scores and one
+    of KV KiB kept after the context, laid out as compare/kvpress/summary.py's tables of the same samples."""
+    asks = ((meta.get("settings") or {}).get("retrieval") or {}).get("questions", 1)
+    mine = [r for r in rows if r["task"] == "retrieval" and r["prefill"] == "agnostic"]
+    if asks <= 1 or not mine:
+        return []
+    tasks = list(dict.fromkeys(r["subtask"] for r in mine))
+    lines = [f"## Compress once, answer many: each context compressed once, then up to {asks} questions", ""]
+    for x in sorted({budget_x(r) for r in mine if r["policy"] != "full"}, reverse=True):
+        here = [r for r in mine if r["policy"] == "full" or budget_x(r) == x]
+        for metric, title, show in (("score", "score, mean over every question", _num),
+                                    ("kv_bytes", "KV KiB kept after the context, mean per sample",
+                                     lambda v: f"{v / 1024:.0f}")):  # fmt: skip
+            cell = {(r["policy"], r["subtask"]): r["value"] for r in here if r["metric"] == metric}
+            lines += [f"### {_xlabel(x, mine)} kept: {title}", "", "| policy | " + " | ".join(map(label, tasks)) + " |",
+                      "|" + "---|" * (len(tasks) + 1)]  # fmt: skip
+            for policy in dict.fromkeys(p for p, _ in cell):
+                lines.append(f"| {policy} | " + " | ".join(show(cell[policy, t]) if (policy, t) in cell else ""
+                                                            for t in tasks) + " |")  # fmt: skip
+            lines.append("")
+    return lines
 
 
 def _xlabel(x: float, rows: list[dict]) -> str:

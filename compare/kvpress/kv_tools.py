@@ -1,0 +1,108 @@
+"""What run_kvpress.py and questions.py share (kvpress's venv): RULER's scoring, the cache's size, AdaKV's masks, and
+the two ways a press compresses a prompt (one prefill shared by every press, or the documented one per press)."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from kvpress.presses.base_press import is_prefilling
+from transformers import DynamicCache
+
+# ----------------------------------------------------------------------------------------- scoring
+# h2o_kv.studies.eval.ruler.score, copied (RULER's postprocess + string_match_all / string_match_part);
+# export_samples.py --check re-scores every cached prediction with the original to prove they agree.
+
+
+def score(prediction: str, answers: list[str], metric: str) -> float:
+    p = re.sub(r"[\x00-\x08\x0b-\x1f]", "\n", prediction).strip().lower()
+    if metric == "string_match_all":
+        return sum(1.0 for a in answers if a.lower() in p) / len(answers)
+    if metric == "string_match_part":
+        return 1.0 if any(a.lower() in p for a in answers) else 0.0
+    raise ValueError(f"unknown metric {metric!r}")
+
+
+# ---------------------------------------------------------------------------------------- caching
+
+
+def kv_stats(cache: DynamicCache, masked: list | None) -> dict:
+    """Bytes of the cache's key/value tensors and tokens per (layer, KV head), actual and effective."""
+    nbytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    lengths = [layer.keys.shape[2] for layer in cache.layers]
+    heads = cache.layers[0].keys.shape[1]
+    effective = [n - (0 if m is None else len(m[0]) / heads) for n, m in zip(lengths, masked or [None] * len(lengths))]
+    return {
+        "kv_bytes": int(nbytes),
+        "kv_tokens": sum(lengths) / len(lengths),
+        "kv_tokens_effective": sum(effective) / len(effective),
+    }
+
+
+def new_cache(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    cache = DynamicCache()
+    for i, (k, v) in enumerate(layers):
+        cache.update(k, v, i)
+    return cache
+
+
+def attn_modules(model) -> list:
+    return [layer.self_attn for layer in model.model.layers]
+
+
+def set_masks(model, masks: list | None) -> None:
+    """AdaKV's per-layer masked indices (kvpress's attention patch reads module.masked_key_indices)."""
+    for i, module in enumerate(attn_modules(model)):
+        module.masked_key_indices = None if masks is None else masks[i]
+
+
+@torch.no_grad()
+def shared_prefill(model, ids: torch.Tensor, presses: dict) -> tuple[torch.Tensor, dict]:
+    """One prefill; each press compresses the same layer inputs into its own cache.
+
+    Returns the last logits and {name: (cache, adakv masks or None)}; name "full" is the uncompressed cache.
+    """
+    for press in presses.values():
+        press.post_init_from_model(model)
+    kept: dict[str, list] = {name: [] for name in presses}
+    masks: dict[str, list] = {name: [] for name in presses}
+
+    def hook(module, args, kwargs, output):
+        if not is_prefilling(kwargs["cache_position"], kwargs["hidden_states"].shape[1]):
+            return output
+        layer = kwargs["past_key_values"].layers[module.layer_idx]
+        for name, press in presses.items():
+            module.masked_key_indices = None
+            k, v = press.compress(module, kwargs["hidden_states"], layer.keys, layer.values, output[1], kwargs)
+            kept[name].append((k.clone(), v.clone()))
+            masks[name].append(getattr(module, "masked_key_indices", None))
+        module.masked_key_indices = None
+        return output
+
+    hooks = []
+    for layer in model.model.layers:
+        layer.self_attn.rotary_emb = model.model.rotary_emb  # what BasePress.__call__ sets up
+        hooks.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
+    try:
+        base = DynamicCache()
+        logits = model(input_ids=ids, past_key_values=base, logits_to_keep=1).logits[0, -1]
+    finally:
+        for h in hooks:
+            h.remove()
+    out = {name: (new_cache(kept[name]), masks[name] if any(m is not None for m in masks[name]) else None)
+           for name in presses}  # fmt: skip
+    out["full"] = (base, None)
+    return logits, out
+
+
+@torch.no_grad()
+def standard_prefill(model, ids: torch.Tensor, press) -> tuple[torch.Tensor, DynamicCache, list | None]:
+    """The documented kvpress way: the press's hooks active during one forward call."""
+    cache = DynamicCache()
+    if press is None:
+        logits = model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits[0, -1]
+        return logits, cache, None
+    with press(model):
+        logits = model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits[0, -1]
+    masks = [getattr(m, "masked_key_indices", None) for m in attn_modules(model)]
+    return logits, cache, masks if any(m is not None for m in masks) else None

@@ -1,0 +1,110 @@
+"""Several questions over one compressed context, kvpress's native mode: its pipeline's ``questions=[...]`` (issue 50).
+
+kvpress's `KVPressTextGenerationPipeline` compresses a context once with a press, then answers each question in turn:
+the question at the positions after the whole (uncompressed) context, greedy decoding to EOS or ``max_new_tokens``,
+and the question's and answer's tokens cut from the cache before the next (`generate_answer`,
+`_remove_answer_from_cache`). Its `_forward` is given the exported ids (``context_ids`` and each question's
+``question_ids``) rather than text, whose `preprocess` would tokenize again through the chat template: kvpress reads
+the ids h2o-kv's ``--questions`` study feeds. ``--mode standard`` runs `_forward` for every press (the documented
+way); ``--mode shared`` compresses once for every press (`kv_tools.shared_prefill`) and runs the pipeline's own
+question loop on each press's cache; a press with passes of its own (KVzip) always runs `_forward`. Each answer is
+scored by its own question's golds; the KV bytes are those of the compressed context.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from kv_tools import attn_modules, kv_stats, score, set_masks, shared_prefill
+from kvpress import KVPressTextGenerationPipeline
+from press_registry import EAGER, OWN_PASS, PRESSES
+from transformers import DynamicCache
+
+
+def pipelines(models: dict) -> dict:
+    """One kvpress pipeline per loaded model ("sdpa", and "eager" where a press needs it)."""
+    return {kind: KVPressTextGenerationPipeline(model=models[kind], tokenizer=models["tokenizer"])
+            for kind in ("sdpa", "eager") if kind in models}  # fmt: skip
+
+
+@torch.no_grad()
+def ask(pipe, cache: DynamicCache, context_length: int, questions: list[torch.Tensor], max_new: int) -> list[str]:
+    """The pipeline's question loop over a compressed cache, as its `_forward` runs it after the prefill."""
+    answers = []
+    for question in questions:
+        lengths = [cache.get_seq_length(i) for i in range(len(cache))]
+        answers.append(pipe.generate_answer(question_ids=question, cache=cache, context_length=context_length,
+                                            max_new_tokens=max_new))  # fmt: skip
+        pipe._remove_answer_from_cache(cache, lengths)
+    return answers
+
+
+@torch.no_grad()
+def native(pipe, press, context: torch.Tensor, questions: list[torch.Tensor], max_new: int) -> tuple:
+    """kvpress's pipeline on one context and its questions: (answers, the compressed cache, prefill s, answers s)."""
+    cache, spent, answer = DynamicCache(), [0.0], pipe.generate_answer
+
+    def timed(*args, **kwargs):
+        begin = time.perf_counter()
+        try:
+            return answer(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - begin
+
+    pipe.generate_answer = timed
+    begin = time.perf_counter()
+    try:
+        answers = pipe._forward({"context_ids": context, "questions_ids": questions}, max_new_tokens=max_new,
+                                press=press, cache=cache)  # fmt: skip
+    finally:
+        del pipe.generate_answer  # the class's method again
+    return answers, cache, time.perf_counter() - begin - spent[0], spent[0]
+
+
+def masks_of(model) -> list | None:
+    masks = [getattr(m, "masked_key_indices", None) for m in attn_modules(model)]
+    return masks if any(m is not None for m in masks) else None
+
+
+def run_questions(models: dict, rec: dict, todo: list, mode: str) -> dict:
+    """{(press, ratio): result} for one record with several questions: each press compresses the context once, then
+    every question is answered from that cache (the predictions, their scores and their mean)."""
+    pipes = models.setdefault("pipelines", pipelines(models))
+    context = torch.tensor([rec["context_ids"]])
+    asks = rec["questions"]
+    questions = [torch.tensor([q["question_ids"]]) for q in asks]
+    n, new = context.shape[1], rec["max_new_tokens"]
+    results = {}
+
+    def finish(cfg, answers, stats, prefill_s, decode_s):
+        scores = [score(a, q["answers"], rec["metric"]) for a, q in zip(answers, asks, strict=True)]
+        results[cfg] = {"predictions": answers, "scores": scores, "score": sum(scores) / len(scores),
+                        "questions": len(scores), "prompt_tokens": n + max(len(q["question_ids"]) for q in asks),
+                        **stats, "prefill_s": round(prefill_s, 3), "decode_s": round(decode_s, 3)}  # fmt: skip
+
+    shared = [c for c in todo if mode == "shared" and c[0] not in OWN_PASS]
+    for cfg in (c for c in todo if c not in shared):
+        model = models["eager" if cfg[0] in EAGER else "sdpa"]
+        set_masks(model, None)
+        press = None if cfg[0] == "full" else PRESSES[cfg[0]](cfg[1])
+        answers, cache, prefill_s, decode_s = native(pipes["eager" if cfg[0] in EAGER else "sdpa"], press, context,
+                                                     questions, new)  # fmt: skip
+        finish(cfg, answers, kv_stats(cache, masks_of(model)), prefill_s, decode_s)
+        set_masks(model, None)
+    for kind in ("sdpa", "eager"):
+        group = [c for c in shared if (c[0] in EAGER) == (kind == "eager")]
+        if not group:
+            continue
+        begin = time.perf_counter()
+        _, caches = shared_prefill(models[kind], context, {f"{p}|{r}": PRESSES[p](r) for p, r in group if p != "full"})
+        prefill_s = time.perf_counter() - begin
+        for cfg in group:
+            cache, masks = caches["full" if cfg[0] == "full" else f"{cfg[0]}|{cfg[1]}"]
+            stats = kv_stats(cache, masks)
+            set_masks(models[kind], masks)
+            begin = time.perf_counter()
+            answers = ask(pipes[kind], cache, n, questions, new)
+            set_masks(models[kind], None)
+            finish(cfg, answers, stats, prefill_s, time.perf_counter() - begin)
+    return results

@@ -215,7 +215,8 @@ def _run(args: argparse.Namespace, command: str) -> int:
         raise ValueError("--check replays the reuse run: give --modes reuse")
     docs = documents(load_tokenizer(args.model), args.conversations, args.doc_tokens)
     policy = [*(("--policy", args.policy) if args.policy else ()), *(("--budget", args.budget) if args.budget else ())]
-    rows, runs, out = [], {}, Path(args.out)
+    out = Path(args.out)
+    rows, runs = earlier(out / "conversations.json", args, modes)
     for mode in modes:
         convs = conversations(docs, args.turns)
         memory = ("--session-memory", args.session_memory) if mode == "reuse" else ()
@@ -223,7 +224,7 @@ def _run(args: argparse.Namespace, command: str) -> int:
                            prefill_chunk=args.prefill_chunk, extra=(*policy, *memory)) as url:  # fmt: skip
             wall, peaks = asyncio.run(run_mode(url, served_model(url), convs, fields={}, max_tokens=args.max_tokens,
                                                timeout=args.timeout))  # fmt: skip
-        rows += summarize(mode, convs, args.turns)
+        rows = [r for r in rows if r["mode"] != mode] + summarize(mode, convs, args.turns)
         generated = sum(t.completion_tokens for c in convs for t in c.turns if t.error is None)
         runs[mode] = dict(wall_s=wall, generated_tokens_per_s=generated / wall, **peaks,
                           conversations=[[t.__dict__ for t in c.turns] for c in convs])  # fmt: skip
@@ -238,12 +239,34 @@ def _run(args: argparse.Namespace, command: str) -> int:
             check = runs[mode]["check"]
             print(f"replayed {args.check} conversations: {check['matching']} of {check['compared']} answers equal the "
                   f"one-cache run's", flush=True)  # fmt: skip
-    out.mkdir(parents=True, exist_ok=True)
-    meta = dict(command=command, environment=environment(), settings=vars(args))
-    write_json(out / "conversations.json", dict(meta=meta, rows=rows, runs=runs))
-    write_csv(out / "conversations.csv", COLUMNS, rows)
-    print(f"wrote {out / 'conversations.json'} and {out / 'conversations.csv'}")
+        runs[mode]["meta"] = dict(command=command, environment=environment(), settings=vars(args))
+        out.mkdir(parents=True, exist_ok=True)  # each mode saved as it ends: a long run loses no finished mode
+        write_json(out / "conversations.json", dict(rows=rows, runs=runs))
+        write_csv(out / "conversations.csv", COLUMNS, rows)
+        print(f"wrote {mode} to {out / 'conversations.json'} and {out / 'conversations.csv'}", flush=True)
     return 0 if all(row["errors"] == 0 for row in rows) else 1
+
+
+STUDY = ("model", "policy", "budget", "conversations", "turns", "doc_tokens", "max_tokens", "kv_memory", "max_batch",
+         "prefill_chunk")  # fmt: skip
+
+
+def earlier(path, args: argparse.Namespace, modes: list[str]) -> tuple[list[dict], dict]:
+    """The rows and runs of the other modes already in `path` (one mode per run, possibly in another session), kept
+    when they ran the same study; a file of another study is refused rather than overwritten."""
+    import json
+
+    if not path.is_file():
+        return [], {}
+    old = json.loads(path.read_text())
+    runs = {mode: run for mode, run in old.get("runs", {}).items() if mode not in modes}
+    for mode, run in runs.items():
+        theirs = run.get("meta", {}).get("settings", {})
+        differ = [k for k in STUDY if theirs.get(k) != getattr(args, k)]
+        if differ:
+            raise ValueError(f"{path} holds a {mode} run of another study ({', '.join(differ)} differ): give another "
+                             "--out, or the same settings")  # fmt: skip
+    return [r for r in old.get("rows", []) if r["mode"] in runs], runs
 
 
 if __name__ == "__main__":

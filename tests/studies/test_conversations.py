@@ -32,3 +32,26 @@ def test_bad_flags_are_one_line_and_exit_2(flags, capsys):
     assert main(flags) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("conversations: error:") and "\n" not in err
+
+
+def test_a_mode_run_alone_keeps_the_other_modes_results_of_the_same_study(tmp_path):
+    """Each mode is saved as it ends; a later `--modes fresh` keeps the reuse run already there (the same study),
+    replaces an earlier fresh one, and refuses a file of another study rather than overwrite it."""
+    import argparse
+    import json
+
+    from h2o_kv.studies.conversations import add_arguments, earlier
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--conversations", "4"])
+    path = tmp_path / "conversations.json"
+    assert earlier(path, args, ["fresh"]) == ([], {})
+    settings = dict(vars(args))
+    runs = {mode: {"wall_s": 1.0, "meta": {"settings": settings}} for mode in ("reuse", "fresh")}
+    rows = [{"mode": mode, "turn": 1} for mode in ("reuse", "fresh")]
+    path.write_text(json.dumps({"rows": rows, "runs": runs}))
+    kept_rows, kept_runs = earlier(path, args, ["fresh"])
+    assert kept_rows == [rows[0]] and list(kept_runs) == ["reuse"]
+    with pytest.raises(ValueError, match="conversations differ"):
+        earlier(path, parser.parse_args(["--conversations", "32"]), ["fresh"])

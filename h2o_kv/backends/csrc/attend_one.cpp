@@ -1,5 +1,5 @@
 // h2o-kv's decode-step attention on a CPU (built and called by h2o_kv/backends/native.py): the same operations as
-// kernel.attend_one for one query per sequence, where torch's products do more work.
+// cache/attend.py's attend_one for one query per sequence, where torch's products do more work.
 //
 // - attend_one: one row per (sequence, KV head), its G query heads' logits, mask, softmax, output and
 //   scores in one pass while the row is in the core's cache (torch's eager path runs a handful of small
@@ -26,9 +26,6 @@
 #include <vector>
 
 namespace {
-
-using Vec = at::vec::Vectorized<float>;
-constexpr int V = Vec::size();
 
 // V lanes as float32: float32 as they are, int8 and bfloat16 widened in registers (exact).
 inline Vec load_float(const float* p) { return Vec::loadu(p); }

@@ -2,9 +2,18 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/cpu/vec/vec.h>
 
 #include <optional>
 #include <vector>
+
+namespace {
+
+// The vector every kernel file computes in: torch's float lanes at the width this build targets (AVX-512 or AVX2).
+using Vec = at::vec::Vectorized<float>;
+constexpr int V = Vec::size();
+
+}  // namespace
 
 namespace h2o_kv {
 

@@ -1,5 +1,5 @@
 // A head-pooled row's decode-step attention on a CPU (h2o_kv/cache/pooled.py, AdaKV; built and called by
-// h2o_kv/backends/native.py): the same operations as kernel.attend_one with `slot_head`, where the eager path computes
+// h2o_kv/backends/native.py): the same operations as cache/attend.py's attend_one with `slot_head`, where the eager path computes
 // every query head against every slot of the row and masks the other heads' slots.
 //
 // The row's heads' slots are interleaved (a token's heads take neighbouring slots, and a decode step refills
@@ -19,10 +19,9 @@
 #include <limits>
 #include <vector>
 
-namespace {
+#include "kernels.h"
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int V = Vec::size();
+namespace {
 
 constexpr int64_t CHUNK = 256;  // slots per task in the passes over the row
 

@@ -1,8 +1,8 @@
 // A prompt's (or a chunk's) attention with the attention each slot received, on a CPU (built and called by
-// h2o_kv/backends/native.py; kernel.attend takes it for in-order new tokens without window or softcap).
+// h2o_kv/backends/native.py; cache/routes.py's attend takes it for in-order new tokens without window or softcap).
 //
 // H2O's scores need every query's attention probabilities summed per slot, which torch's fused attention
-// (SDPA) never materialises; kernel.attend's blocked path computes them with three batched products over
+// (SDPA) never materialises; cache/routes.py's attend's blocked path computes them with three batched products over
 // blocks of a few queries across the whole batch, and the products at those shapes run slower than SDPA's
 // do. This kernel works per (sequence, KV
 // head) on a tile of queries (the group's query heads of QT consecutive queries, R rows) at a time, inside the
@@ -29,10 +29,10 @@
 #include <limits>
 #include <vector>
 
+#include "kernels.h"
+
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int V = Vec::size();
 constexpr int64_t PARTS = 4;                // tasks per (sequence, KV head)
 constexpr int64_t TILE_FLOATS = 1 << 17;    // a tile's logits: 512 KiB, half the core's L2 cache
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
@@ -75,7 +75,7 @@ float softmax_row(float* p, int64_t lim, int64_t width, const std::vector<int64_
   for (; j + V <= lim; j += V) vmax = at::vec::maximum(vmax, Vec::loadu(p + j));
   float row_max = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax);
   for (; j < lim; ++j) row_max = std::max(row_max, p[j]);
-  if (row_max == NEG_INF) row_max = 0.f;  // nothing visible: every exp is 0, as kernel.attend's nan_to_num
+  if (row_max == NEG_INF) row_max = 0.f;  // nothing visible: every exp is 0, as cache/routes.py's attend's nan_to_num
   const Vec shift(row_max);
   Vec vsum(0.f);
   j = 0;

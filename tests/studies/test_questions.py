@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -20,24 +19,13 @@ from h2o_kv.studies.eval.ruler import asked, score
 from h2o_kv.studies.eval.ruler_fit import split_ids
 from h2o_kv.studies.eval.ruler_spec import RULER_TASKS, SEVERAL_QUESTIONS, SPECS
 from h2o_kv.studies.eval.ruler_tasks import make_ruler_sample
-from h2o_kv.studies.eval.ruler_vocab import Words
 from h2o_kv.studies.eval.shared import shared_answers
 from h2o_kv.studies.eval.sizes import SIZES
 
 from conftest import make_model, make_tokenizer, random_ids
+from ruler_helpers import HAYSTACK, WORDS
 from serve_helpers import tiny_model
 
-_rng = random.Random(5)  # offline word lists and a play-like haystack, as test_ruler_tasks.py makes them
-_SYL = "ba ko ri mu sel dan tor vi pe lun gar os fi mer tha".split()
-WORDS = Words(
-    nouns=tuple(dict.fromkeys("".join(_rng.choices(_SYL, k=3)) for _ in range(600))),
-    adjectives=tuple(dict.fromkeys("".join(_rng.choices(_SYL, k=2)) + "y" for _ in range(80))),
-    verbs=tuple(dict.fromkeys("".join(_rng.choices(_SYL, k=2)) + "ed" for _ in range(80))),
-)
-_PLAIN = ("the king rode out at dawn with his men and the queen watched from the tower while the river ran past the "
-          "walls of the old town where the people sang of war and of peace and of the long winter").split()  # fmt: skip
-_SENTENCES = [" ".join(_rng.choices(_PLAIN, k=_rng.randint(5, 12))).capitalize() + "." for _ in range(800)]
-HAYSTACK = "\n".join(" ".join(_SENTENCES[i : i + 4]) for i in range(0, len(_SENTENCES), 4))
 LENGTHS = {"qa_1": 2048, "qa_2": 2048}  # four gold documents (qa_2: pairs) need more room than a needle
 
 

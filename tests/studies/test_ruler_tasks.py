@@ -3,7 +3,6 @@ question the way both settings and kvpress read them, scored by RULER's rules; a
 
 from __future__ import annotations
 
-import random
 import re
 from collections import Counter
 
@@ -17,24 +16,13 @@ from h2o_kv.studies.eval.ruler import RULER_TASKS, Sample, score, string_match_a
 from h2o_kv.studies.eval.ruler_fit import split_ids
 from h2o_kv.studies.eval.ruler_spec import SPECS, SUBSTITUTES, label
 from h2o_kv.studies.eval.ruler_tasks import make_ruler_dataset, make_ruler_sample
-from h2o_kv.studies.eval.ruler_vocab import Words
 from h2o_kv.studies.eval.ruler_words import _zeta
 from h2o_kv.studies.eval.sizes import SIZES, check_retrieval
 
+from ruler_helpers import HAYSTACK, WORDS
 from serve_helpers import tiny_model
 
 LENGTH = 1024
-_rng = random.Random(5)
-_SYL = "ba ko ri mu sel dan tor vi pe lun gar os fi mer tha".split()
-WORDS = Words(
-    nouns=tuple(dict.fromkeys("".join(_rng.choices(_SYL, k=3)) for _ in range(600))),
-    adjectives=tuple(dict.fromkeys("".join(_rng.choices(_SYL, k=2)) + "y" for _ in range(80))),
-    verbs=tuple(dict.fromkeys("".join(_rng.choices(_SYL, k=2)) + "ed" for _ in range(80))),
-)
-_PLAIN = ("the king rode out at dawn with his men and the queen watched from the tower while the river ran past the "
-          "walls of the old town where the people sang of war and of peace and of the long winter").split()  # fmt: skip
-_SENTENCES = [" ".join(_rng.choices(_PLAIN, k=_rng.randint(5, 12))).capitalize() + "." for _ in range(800)]
-HAYSTACK = "\n".join(" ".join(_SENTENCES[i : i + 4]) for i in range(0, len(_SENTENCES), 4))  # a play-like text
 
 
 def build(tokenizer, task: str, seed: int = 3, length: int = LENGTH) -> Sample:

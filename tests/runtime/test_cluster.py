@@ -31,9 +31,6 @@ from h2o_kv.runtime.serve.requests import Limits  # noqa: E402
 
 from serve_helpers import MODEL, tiny_model, wait_for  # noqa: E402
 
-# one worker runs this file, so its module fixture starts once (make test: --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("cluster")
-
 KV_MEMORY = 400_000  # bytes per replica
 SESSION_MEMORY = 200_000  # bytes of finished requests' caches each replica keeps for reuse (a dozen)
 ENGINE = dict(policy="h2o", budget=64, kv_memory=KV_MEMORY, max_batch=4, prefill_chunk=64,

@@ -23,9 +23,6 @@ from bench_helpers import (
 )
 from conftest import VOCAB, make_model, random_ids
 
-# one worker runs this file, so its module fixture starts once (make test: --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("bench")
-
 
 @pytest.fixture(scope="module")
 def run() -> tuple[torch.nn.Module, list[dict]]:

@@ -16,9 +16,6 @@ from h2o_kv.studies import bench
 from bench_helpers import GEN, CharTokenizer, sweep, tiny_run
 from conftest import make_model
 
-# one worker runs this file, so its module fixture starts once (make test: --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("bench-output")
-
 
 @pytest.fixture(scope="module")
 def run() -> tuple[torch.nn.Module, list[dict]]:

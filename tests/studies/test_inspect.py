@@ -25,9 +25,6 @@ from h2o_kv.studies.inspect.run import Inspection, Run
 
 from conftest import make_model, random_ids
 
-# one worker runs this file, so its module fixture starts once (make test: --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("inspect")
-
 CHROMIUM = Path("/usr/bin/chromium")
 NEEDLE = "One of the special magic numbers for rusty-lantern is: 4719305."
 QUESTION = "What are all the special magic numbers for rusty-lantern mentioned in the provided text?"

@@ -29,7 +29,7 @@ class Reconstructing:
     call), then its reconstruction calls, one per engine step. Enters the pass on creation."""
 
     def __init__(self, cache: KVCache, prompt: list[int], tokenizer, chunk: int | None, device) -> None:
-        self.cache, self.length, self.chunk = cache, len(prompt), chunk
+        self.cache, self.length = cache, len(prompt)
         ids = torch.tensor([prompt], device=device)
         self.mask = torch.ones_like(ids)
         self.pieces = reconstruction_inputs(tokenizer, ids, self.mask, chunk or CHUNK)
@@ -44,11 +44,9 @@ class Reconstructing:
         return self.cache.seen_tokens >= self.length
 
     @property
-    def steps_left(self) -> int:
-        """Model calls left before the pass can be left: held chunks, then reconstruction calls."""
-        left = self.length - self.cache.seen_tokens
-        held = 0 if left <= 0 else 1 if self.chunk is None else -(-left // self.chunk)
-        return held + len(self.pieces) - self.scored
+    def pieces_left(self) -> int:
+        """Reconstruction calls left (the held chunks before them are the scheduler's `calls_left`, as any prompt's)."""
+        return len(self.pieces) - self.scored
 
     def score_next(self, model) -> None:
         """Feed the next reconstruction call (the prompt must be held)."""

@@ -76,14 +76,13 @@ class Scheduler:
         return [oldest] if short is None else [short, oldest]
 
     def calls_left(self, item: tuple[Request, KVCache], chunk: int | None) -> int:
-        """Model calls before a prompt going in is through: its chunks of `chunk` tokens left (None: one call), or,
-        in a reconstruction pass, its held chunks and reconstruction calls left (`Reconstructing.steps_left`)."""
+        """Model calls before a prompt going in is through: its chunks of `chunk` tokens left (None: one call), and
+        in a reconstruction pass its reconstruction calls left after them (`Reconstructing.pieces_left`)."""
         request, cache = item
-        job = self.passes.get(request)
-        if job is not None:
-            return job.steps_left
         left = request.prompt_tokens - cache.seen_tokens
-        return 0 if left <= 0 else 1 if chunk is None else -(-left // chunk)
+        chunks = 0 if left <= 0 else 1 if chunk is None else -(-left // chunk)
+        job = self.passes.get(request)
+        return chunks + (0 if job is None else job.pieces_left)
 
     def end_prefill(self, item: tuple[Request, KVCache], error: BaseException | None = None) -> None:
         """A prompt is through, or failed (`error`): it leaves the prompts going in, and its reconstruction pass if it

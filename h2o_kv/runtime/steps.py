@@ -65,8 +65,7 @@ class EagerSteps:
                 runs.end_prefill(item, RuntimeError(request.error))
                 return
             self._push(request, token)
-        job = runs.passes.get(request)
-        if (job.steps_left if job is not None else done + len(ids) < request.prompt_tokens) > 0:
+        if runs.calls_left(item, self.prefill_chunk) > 0:
             return
         try:
             runs.end_prefill(item)  # and its pass, if any, is left: ranked to the capacity

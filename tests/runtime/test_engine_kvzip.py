@@ -229,8 +229,8 @@ def test_prefill_turn_counts_a_pass_by_its_calls_left():
     assert runs.prefill_turn(8) == [item, oldest]
     run.run()
     assert len(long.token_ids) == len(kvzip.token_ids) == ANSWER
-    stub = types.SimpleNamespace(steps_left=2)
-    runs.passes[kvzip] = stub  # a pass's count is its job's, whatever the cache has seen
+    stub = types.SimpleNamespace(pieces_left=2)
+    runs.passes[kvzip] = stub  # its prompt is in: what is left is its job's reconstruction calls
     assert runs.calls_left((kvzip, item[1]), 8) == 2
 
 

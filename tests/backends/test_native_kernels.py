@@ -3,6 +3,7 @@ the head-pooled attention and eviction, a full layer's decode step, the prompt k
 
 from __future__ import annotations
 
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -206,7 +207,7 @@ def test_pooled_decode_step_equals_the_eager_steady_step(case):
 def test_the_build_folder_is_named_by_the_sources_headers_and_flags(tmp_path, monkeypatch):
     """A header's change alone, or another flag, gives another build folder (torch's builder does not read the
     headers the sources include); the build compiles copies of the sources inside that folder, so two checkouts
-    with the same kernels share one build."""
+    with the same kernels share one build: one unit that includes them (torch's headers parsed once)."""
     native = h2o_kv.backends.native
     header = tmp_path / "kernels.h"
     header.write_text("int f();\n")
@@ -224,7 +225,11 @@ def test_the_build_folder_is_named_by_the_sources_headers_and_flags(tmp_path, mo
         native.load()
     folder = native.build_folder()
     assert build.call_args.kwargs["build_directory"] == str(folder)
-    assert build.call_args.kwargs["sources"] == [str(folder / "src" / path.name) for path in native.SOURCES]
+    (unit,) = build.call_args.kwargs["sources"]
+    assert unit == str(folder / "src" / "h2o_kv_kernels.cpp")
+    lines = Path(unit).read_text().splitlines()
+    assert lines == [f'#include "{path.name}"' for path in native.SOURCES]
+    assert all((folder / "src" / path.name).read_bytes() == path.read_bytes() for path in native.SOURCES)
     assert (folder / "src" / "kernels.h").read_text() == "int f(int);\n"
 
 

@@ -380,7 +380,7 @@ class KVLayer(Rows, Steady, CacheLayerMixin):
             work = self.settings.work(self.keys.numel() + self.values.numel(), dtype, query.device)
         kv = Slots(self.keys, self.values, None if full else self.pos, self.key_scale, self.value_scale, self.head,
                    self.query_head, work)  # fmt: skip
-        return attend(query, kv, positions, call, native_kernels=native)
+        return (self.settings.attention or attend)(query, kv, positions, call, native_kernels=native)
 
     def nbytes(self) -> int:
         """Bytes allocated: every slot of the storage, empty or not, and its bookkeeping."""

@@ -142,7 +142,7 @@ class PooledKVLayer(KVLayer):
 
         kv = Slots(by_head(self.keys), by_head(self.values), by_head(self.pos), by_head(self.key_scale),
                    by_head(self.value_scale))  # fmt: skip
-        out, scores, last = attend(query, kv, positions, call)
+        out, scores, last = (self.settings.attention or attend)(query, kv, positions, call)
 
         def by_row(t: torch.Tensor | None) -> torch.Tensor | None:  # [B, heads, n] -> [B, 1, S] (empty slots: 0)
             if t is None:

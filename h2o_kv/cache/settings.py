@@ -53,6 +53,9 @@ class Settings:
         self.warned = False  # a budget that keeps very few tokens is warned about once per cache (layer.py)
         self.past_context = False  # a sequence went past the model's context: warned once per cache
         self.reconstruction = None  # KVzip's pass while it runs (reconstruct.Reconstruction)
+        # the attention function of the layers' calls while set, in place of `routes.attend` (same arguments and
+        # results): a study replaying one recorded prefill into many caches computes each call's scores once
+        self.attention = None
 
     def check_context(self, seen: int, next_pos: torch.Tensor, config) -> None:
         """Warn, once per cache, when a sequence's positions go past the model's context (`max_position_embeddings`

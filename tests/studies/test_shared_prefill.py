@@ -8,7 +8,7 @@ import torch
 
 from h2o_kv.runtime.generation import forward, greedy_ids
 from h2o_kv.studies.eval.decoding import new_cache
-from h2o_kv.studies.eval.shared import record_prefill, replay, shared_greedy
+from h2o_kv.studies.eval.shared import SharedAttention, record_prefill, replay, shared_greedy
 
 from conftest import make_model, random_ids
 from helpers import kept_positions
@@ -40,6 +40,27 @@ def test_replayed_cache_equals_a_direct_prefill(llama, policy, budget) -> None:
             torch.testing.assert_close(a.score, b.score, rtol=1e-5, atol=1e-6)
     if budget is not None:  # the budget was applied: fewer tokens than the prompt's in every layer
         assert replayed.kept_tokens < 40
+
+
+def test_replays_sharing_their_attention_leave_each_cache_as_a_replay_alone(llama) -> None:
+    """Every policy at two budgets replayed with one `SharedAttention`: the same state as each replayed with its own,
+    bit for bit, while the scores asked for are computed once per kind of request and layer (every query's
+    attention: H2O; an observation window's: SnapKV, AdaKV's first call, PyramidKV; the last query's: TOVA) and
+    StreamingLLM, Local and Full attend not at all."""
+    ids = random_ids(1, 40, seed=4)[0].tolist()
+    _, calls = record_prefill(llama, ids)
+    shared = SharedAttention()
+    for policy, budget in CONFIGS + [(p, 12) for p, b in CONFIGS if b is not None]:
+        together = replay(new_cache(policy, budget, 40), calls, shared)
+        alone = replay(new_cache(policy, budget, 40), calls)
+        for a, b in zip(alone.layers, together.layers, strict=True):
+            assert torch.equal(a.pos, b.pos), policy
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values), policy
+            for name in ("score", "last", "head"):
+                assert (getattr(a, name) is None) == (getattr(b, name) is None), (policy, name)
+                assert getattr(a, name) is None or torch.equal(getattr(a, name), getattr(b, name)), (policy, name)
+    layers = llama.config.num_hidden_layers
+    assert shared.computed == 4 * layers  # H2O's, SnapKV's (uniform rows), AdaKV's (a head-pooled row), TOVA's
 
 
 def test_shared_answers_equal_each_policy_run_alone(llama) -> None:

@@ -13,6 +13,11 @@ without the question; the question then goes into each cache as a second model c
 and the answer is decoded from that call's logits. Several questions (`shared_answers`): each cache compresses the
 context once, and each question is answered from its own `KVCache.fork` of it ("compress once, ask many").
 
+The caches of one prompt share the replay's attention (`SharedAttention`): a recorded call's scores depend on the
+policy only through what it asks (every query's attention, an observation window's, the last query's), not on its
+budget, so each distinct request is computed once per prompt and the other (policy, fraction) pairs reuse it; a
+replay that asks for no scores (StreamingLLM, KeyDiff, Full) attends not at all, since its output is dropped.
+
 A cache that cannot take the recorded calls reads the prompt itself (`_own_prefill`): int8 storage (its attention
 runs on rounded keys) and a policy that ranks the context by a pass of its own (``policy.reconstructs``: KVzip,
 through `h2o_kv.compress`), so any policy `policies.build` knows is one more entry of a study.
@@ -28,6 +33,7 @@ import torch
 from h2o_kv.cache.attention import hand_off, mark_forward
 from h2o_kv.cache.kvcache import KVCache
 from h2o_kv.cache.layer import KVLayer
+from h2o_kv.cache.routes import Call, Slots, attend
 from h2o_kv.policies import Full
 from h2o_kv.runtime.generation import forward, greedy_continue
 
@@ -64,24 +70,55 @@ def record_prefill(model: Any, prompt_ids: Sequence[int]) -> tuple[torch.Tensor,
     return logits, recording.calls
 
 
-def replay(cache: KVCache, calls: list[list]) -> KVCache:
+class SharedAttention:
+    """`routes.attend` for the calls of replays of one recording (`Settings.attention` while `replay` runs): the
+    outputs are dropped (None), a call that asks for neither scores nor the last query's attention computes nothing,
+    and a layer's first call (the storage holding just the recorded keys, in order: `new_from` 0) is computed once per
+    distinct request (the recorded query, the storage's layout, the call's options), later replays getting copies
+    of its scores. Keep one per recording: the key holds the recorded query's address."""
+
+    def __init__(self) -> None:
+        self.done: dict[tuple, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+        self.computed = 0  # attention calls actually run
+
+    def __call__(self, q: torch.Tensor, kv: Slots, qpos: torch.Tensor, call: Call, *, native_kernels: bool = False):
+        if not (call.want_scores or call.want_last):
+            return None, None, None
+        if call.new_from != 0:  # a later call: the storage holds more than this recording's keys
+            self.computed += 1
+            return None, *attend(q, kv, qpos, call, native_kernels=native_kernels)[1:]
+        layout = [(t.dtype, tuple(t.shape), t.stride()) for t in kv if isinstance(t, torch.Tensor)]
+        key = (q.data_ptr(), tuple(q.shape), q.stride(), q.dtype, tuple(layout), call, native_kernels)
+        if key not in self.done:
+            self.computed += 1
+            _, scores, last = attend(q, kv, qpos, call, native_kernels=native_kernels)
+            self.done[key] = (scores, last)
+        return None, *(None if t is None else t.clone() for t in self.done[key])  # a layer may add to them in place
+
+
+def replay(cache: KVCache, calls: list[list], shared: SharedAttention | None = None) -> KVCache:
     """Feed the recorded attention calls of every layer into `cache`, as the model would have; returns it.
 
     The attention outputs are dropped (they equal the recorded run's); what remains is the cache's state. Each call's
-    options are the ones the model passed (its config among them, for a per-layer policy's budget).
+    options are the ones the model passed (its config among them, for a per-layer policy's budget). `shared`: the
+    replays of this recording so far, whose scores this one reuses (a fresh one by default).
     An int8 cache is refused: its prefill attends over its rounded keys, so later layers see other inputs.
     """
     if cache.settings.kv_dtype is not None:
         raise ValueError(f"a {cache.settings.kv_dtype} cache cannot replay a shared prefill (its attention differs)")
-    with torch.no_grad():
-        for call in range(len(calls[0])):
-            for layer_idx, layer_calls in enumerate(calls):
-                keys, values, query, mask, options = layer_calls[call]
-                if layer_idx == 0:
-                    mark_forward(keys.shape[0], keys.shape[2])
-                cache.update(keys, values, layer_idx)
-                hand_off(None, keys)  # the layer is called here, not through the attention function
-                cache.layers[layer_idx].forward_attention(query, mask, **options)
+    cache.settings.attention = SharedAttention() if shared is None else shared
+    try:
+        with torch.no_grad():
+            for call in range(len(calls[0])):
+                for layer_idx, layer_calls in enumerate(calls):
+                    keys, values, query, mask, options = layer_calls[call]
+                    if layer_idx == 0:
+                        mark_forward(keys.shape[0], keys.shape[2])
+                    cache.update(keys, values, layer_idx)
+                    hand_off(None, keys)  # the layer is called here, not through the attention function
+                    cache.layers[layer_idx].forward_attention(query, mask, **options)
+    finally:
+        cache.settings.attention = None
     return cache
 
 
@@ -124,7 +161,7 @@ def shared_answers(
     from the cache itself). An empty question answers from the prompt's own last logits (query-aware). `done`: one
     stopping test per question (or None). The prefill is recorded at the first cache that replays it, so caches that
     all read the prompt themselves cost no recording."""
-    recorded = None
+    recorded, shared = None, SharedAttention()
     n, last = len(prompt_ids), len(questions) - 1
     stops = [None] * len(questions) if done is None else list(done)
     answers = {}
@@ -134,7 +171,7 @@ def shared_answers(
             if cache.settings.kv_dtype is None and not _reconstructs(cache):
                 recorded = recorded or record_prefill(model, prompt_ids)
                 first = recorded[0]
-                replay(cache, recorded[1])
+                replay(cache, recorded[1], shared)
             else:
                 first = _own_prefill(model, cache, prompt_ids, tokenizer, logits_needed=not all(questions))
             kv_bytes = cache.kept_nbytes()

@@ -1,0 +1,47 @@
+"""What a shared prefill's replay costs per (policy, fraction), alone and sharing its attention with the replays
+before it (`h2o_kv.studies.eval.shared.SharedAttention`): one recorded prefill of a random prompt, one torch thread.
+
+    OMP_NUM_THREADS=1 .venv/bin/python compare/replay_cost.py --model qwen2.5-coder-0.5b --tokens 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from h2o_kv.runtime.models import load_model
+from h2o_kv.studies.eval.decoding import new_cache
+from h2o_kv.studies.eval.shared import SharedAttention, record_prefill, replay
+from h2o_kv.studies.report import commit
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--policies", default="snapkv,h2o,tova,adakv,keydiff,streamingllm")
+    parser.add_argument("--fractions", default="0.25,0.1")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    model = load_model(args.model)[0]
+    ids = torch.randint(100, 20000, (args.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    start = time.perf_counter()
+    _, calls = record_prefill(model, ids)
+    print(f"commit {commit()}, {args.model}, {args.tokens} tokens, 1 thread: recorded prefill "
+          f"{time.perf_counter() - start:.1f} s")  # fmt: skip
+    shared = SharedAttention()
+    for policy in args.policies.split(","):
+        for fraction in map(float, args.fractions.split(",")):
+            start = time.perf_counter()
+            replay(new_cache(policy, fraction, args.tokens), calls)
+            alone = time.perf_counter() - start
+            start = time.perf_counter()
+            replay(new_cache(policy, fraction, args.tokens), calls, shared)
+            print(f"{policy} {fraction:g}: alone {alone:.1f} s, sharing {time.perf_counter() - start:.1f} s")
+    print(f"attention calls computed while sharing: {shared.computed}")
+
+
+if __name__ == "__main__":
+    main()

@@ -19,12 +19,11 @@ from pathlib import Path
 
 import torch
 
-from h2o_kv import KVCache
-from h2o_kv.policies import build
 from h2o_kv.runtime.compress import compress
 from h2o_kv.runtime.generation import forward, greedy_continue
 from h2o_kv.runtime.models import load_model
 from h2o_kv.studies.data import load_corpus
+from h2o_kv.studies.eval.decoding import new_cache
 from h2o_kv.studies.eval.retrieval import asked, make_samples
 from h2o_kv.studies.eval.ruler import score
 from h2o_kv.studies.eval.ruler_fit import split_ids
@@ -52,7 +51,7 @@ def needle_tokens(tokenizer, context: str, ids: list[int], golds: list[str]) -> 
     return found
 
 
-def kept_sets(cache: KVCache) -> list[list[set[int]]]:
+def kept_sets(cache) -> list[list[set[int]]]:
     """Per layer, per KV head: the positions held (a head-pooled row split by its tags)."""
     out = []
     for layer in cache.layers:
@@ -86,13 +85,13 @@ def main() -> None:
     report = {"model": args.model, "task": args.task, "kept": args.kept, "context_tokens": n, "commit": commit(),
               "threads": torch.get_num_threads(), "policies": {}}  # fmt: skip
     for name in args.policies.split(","):
-        policy = build(name, None if name == "full" else args.kept)
+        cache = new_cache(name, None if name == "full" else args.kept, n)  # as the study: a token budget
+        policy = cache.settings.policy
         start = time.perf_counter()
         with torch.no_grad():
             if policy.reconstructs:
-                cache = compress(model, torch.tensor([ids]), policy, tokenizer=tokenizer)
+                compress(model, torch.tensor([ids]), cache=cache, tokenizer=tokenizer)
             else:
-                cache = KVCache(policy)
                 forward(model, cache, torch.tensor([ids]))
         seconds = time.perf_counter() - start
         rows = [head for layer in kept_sets(cache) for head in layer]

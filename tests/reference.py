@@ -221,3 +221,23 @@ def reference_reconstruction(
         h = pooled_victim_head("kvzip", kept, params, next_pos=length)
         kept[h].remove(choose_victim("kvzip", kept[h], params, next_pos=length))
     return context_out, piece_outs, kept
+
+
+def reference_whole_cache(layers: list[list[list[Token]]], capacity: int) -> list[list[list[Token]]]:
+    """KVzip's whole-cache allocation when its pass ends (docs/eviction.md): `layers` holds each layer's context
+    tokens per KV head with their reconstruction scores (`reference_reconstruction` with nothing removed). Each
+    (layer, head) keeps its best-scored token (ties: the oldest); of the others the lowest score goes first, ties
+    to the oldest position, then the lower layer, then the lower head, until every layer together holds
+    `capacity` x heads x layers. Returns what each (layer, head) keeps."""
+    kept = [[list(head) for head in layer] for layer in layers]
+    best = {(i, h): max(head, key=lambda tok: (tok.score, -tok.pos)).pos for i, layer in enumerate(kept)
+            for h, head in enumerate(layer)}  # fmt: skip
+    total = capacity * sum(len(layer) for layer in kept)
+    while sum(len(head) for layer in kept for head in layer) > total:
+        candidates = [(tok.score, tok.pos, i, h) for i, layer in enumerate(kept) for h, head in enumerate(layer)
+                      for tok in head if tok.pos != best[(i, h)]]  # fmt: skip
+        if not candidates:
+            break
+        _, pos, i, h = min(candidates)
+        kept[i][h] = [tok for tok in kept[i][h] if tok.pos != pos]
+    return kept

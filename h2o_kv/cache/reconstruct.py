@@ -36,6 +36,7 @@ from h2o_kv.cache.attend import (
     hidden,
     stored_as,
 )
+from h2o_kv.policies.kvzip import ranks_whole_cache
 
 
 class Reconstruction:
@@ -48,6 +49,11 @@ class Reconstruction:
             raise ValueError(
                 f"{policy.describe()} ranks a prompt by its own attention: feed the context to the model with "
                 "KVCache(policy); a reconstruction pass is KVzip's (h2o_kv.KVzip)"
+            )
+        if ranks_whole_cache(policy) and not policy.head_pooled:
+            raise ValueError(
+                f"{policy.describe()} ranks every head's tokens together: wrap it in AdaKV, whose pooled rows let a "
+                "head keep what the ranking gives it (h2o_kv.build('kvzipwhole', budget))"
             )
         if settings.reconstruction is not None:
             raise ValueError("this KVCache is already in a reconstruction pass")
@@ -69,6 +75,9 @@ class Reconstruction:
             for layer in self.layers:
                 layer.reset()
             return
+        if ranks_whole_cache(self.settings.policy):  # one ranking over the full-attention layers: each one's capacity
+            rank_whole_cache([layer for layer in self.layers if layer.is_initialized
+                              and self.windows.get(layer.layer_idx) is None])  # fmt: skip
         for layer in self.layers:
             if layer.is_initialized:  # ranked as after a prompt (`added` > 1): the capacity's best, then compacted
                 layer._evict(layer.next_pos, self.windows.get(layer.layer_idx), max(2, layer.kept_bound))
@@ -143,3 +152,43 @@ def attend_peak(q: torch.Tensor, kv: Slots, qpos: torch.Tensor, *, width: int, s
         outputs.append(out.view(batch, q_heads, stop - start, values.shape[-1]))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
     return out.transpose(1, 2).contiguous(), peak
+
+
+def rank_whole_cache(layers: list) -> None:
+    """KVzip's own allocation (its paper's default; kvpress's `layerwise=False`): the context's tokens of every
+    (layer, KV head) of `layers` (head-pooled rows) ranked together, per sequence. The lowest priorities go first,
+    ties to the oldest position, then the lower layer, then the lower head, until each sequence holds the sum of the
+    layers' capacities; each (layer, KV head) keeps at least its best-scored token. Each layer's capacity becomes
+    what it holds, so decoding afterwards keeps each layer at its share. Frees only: the caller's eviction then finds
+    nothing over capacity and compacts."""
+    if not layers:
+        return
+    valid, priority, protect = [], [], []
+    for layer in layers:
+        ok = layer.pos >= 0  # [B, 1, S]
+        rank = torch.where(ok, layer.policy.priority(layer.slot_state(layer.next_pos)), float("-inf"))
+        heads = torch.arange(layer.kv_heads, device=layer.device).view(1, -1, 1)
+        best = torch.where(layer.head.long() == heads, rank, float("-inf")).argmax(-1)  # [B, heads]: each head's best
+        kept = torch.zeros_like(ok).scatter_(-1, best.unsqueeze(1), True)
+        valid.append(ok[:, 0])
+        priority.append(torch.where(kept, float("inf"), rank)[:, 0])
+        protect.append(kept[:, 0])
+    valid_all, priority_all, protect_all = torch.cat(valid, -1), torch.cat(priority, -1), torch.cat(protect, -1)
+    pos_all = torch.cat([layer.pos[:, 0] for layer in layers], -1)
+    budget = sum(layer.capacity.view(-1) for layer in layers)  # [B]
+    free = (valid_all & ~protect_all).sum(-1)
+    excess = torch.minimum(valid_all.sum(-1) - budget, free).clamp(min=0)  # [B]
+    by_age = torch.sort(torch.where(valid_all, pos_all, torch.iinfo(torch.int64).max), dim=-1, stable=True).indices
+    key = torch.where(valid_all, priority_all, float("inf")).gather(-1, by_age)
+    order = by_age.gather(-1, torch.sort(key, dim=-1, stable=True).indices)
+    places = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
+                                              .expand_as(order))  # fmt: skip
+    evict = valid_all & (places < excess.unsqueeze(-1))
+    start = 0
+    for layer in layers:
+        width = layer.pos.shape[-1]
+        layer._free(evict[:, start : start + width].unsqueeze(1))
+        start += width
+        held = (layer.pos >= 0).sum(-1).view(-1, 1)  # [B, 1]
+        layer.capacity = held.to(layer.capacity.dtype)
+        layer.max_capacity, layer.min_capacity = int(held.max()), int(held.min())

@@ -11,7 +11,20 @@ MAX_TOKENS = 1 << 40  # a token count beyond this cannot mean anything real (and
 #: raised: the paper's semantics, int(ratio x prompt length), stay); below it generated text drifts off topic
 FRACTION_FLOOR = 16
 
-NAMES = ("h2o", "snapkv", "adakv", "pyramidkv", "globalkv", "local", "streamingllm", "tova", "keydiff", "kvzip", "full")
+NAMES = (
+    "h2o",
+    "snapkv",
+    "adakv",
+    "pyramidkv",
+    "globalkv",
+    "local",
+    "streamingllm",
+    "tova",
+    "keydiff",
+    "kvzip",
+    "kvzipwhole",
+    "full",
+)
 DEFAULT = "globalkv"  # the default of generate, demo, the engine and serve: the best in docs/accuracy.md
 
 Budget = float | int | None  # None: the Full cache

@@ -28,7 +28,8 @@ def build(name: str, budget: Budget = None, *, sinks: int = 4) -> Policy:
     PyramidKV's schedule; sliding-window layers giving their budget to full-attention layers).
     "adakv" is SnapKV with each layer's budget shared by its KV heads (AdaKV: heads x budget per layer).
     "keydiff" and "kvzip" are query-agnostic (a context compressed before its question): KeyDiff ranks by keys,
-    KVzip by a reconstruction pass that `h2o_kv.compress` runs (a plain prompt call refuses it).
+    KVzip by a reconstruction pass that `h2o_kv.compress` runs (a plain prompt call refuses it); "kvzipwhole" ranks
+    the whole cache at once when its pass ends (KVzip's own allocation: AdaKV's pooled rows, layers of their own size).
     """
     key = policy_key(name)
     if key == "full":
@@ -50,6 +51,8 @@ def build(name: str, budget: Budget = None, *, sinks: int = 4) -> Policy:
         return KeyDiff(budget=budget)
     if key == "kvzip":
         return KVzip(budget=budget)
+    if key == "kvzipwhole":
+        return AdaKV(KVzip(budget=budget, whole_cache=True))
     if key == "adakv":
         return AdaKV(SnapKV(budget=budget))
     if key in ("pyramidkv", "globalkv"):

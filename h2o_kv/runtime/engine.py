@@ -27,8 +27,10 @@ from h2o_kv import backends, policies
 from h2o_kv.cache.attention import enable
 from h2o_kv.cache.formats import check_kv_dtype
 from h2o_kv.cache.kvcache import KVCache
+from h2o_kv.errors import InputError
 from h2o_kv.model_config import text_config
 from h2o_kv.policies import Policy
+from h2o_kv.policies.kvzip import ranks_whole_cache
 from h2o_kv.runtime.admission import SlotCount, admission_bytes
 from h2o_kv.runtime.captured import CapturedSteps
 from h2o_kv.runtime.compress import piece_overhead
@@ -155,11 +157,16 @@ class Engine:
         if isinstance(policy, Policy):
             if budget is not None:
                 raise ValueError("give a budget with a policy name, not with a Policy object")
-            return policy
-        name = policy or self.policy
-        if budget is None and str(name).lower() != "full":
-            budget = self.budget  # None: a request naming a bounded policy must then give its own
-        return policies.build(name, budget, sinks=self.sinks)
+            built = policy
+        else:
+            name = policy or self.policy
+            if budget is None and str(name).lower() != "full":
+                budget = self.budget  # None: a request naming a bounded policy must then give its own
+            built = policies.build(name, budget, sinks=self.sinks)
+        if ranks_whole_cache(built):  # admission sizes each layer's rows before the pass would resize them
+            raise InputError(f"{built.describe()} sizes each layer by its scores: h2o_kv.compress and h2o-kv eval "
+                             "run it; the engine serves kvzip (per KV head) or adakv")  # fmt: skip
+        return built
 
     def kv_bytes_for(self, prompt_len: int, max_tokens: int, policy: Policy | None = None) -> int:
         """Most KV bytes a request can hold while decoding (its admission size)."""

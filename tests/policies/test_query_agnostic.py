@@ -18,7 +18,7 @@ from h2o_kv.runtime.compress import compress, reconstruction_inputs
 
 from conftest import make_model, random_ids
 from helpers import causal_mask, kept_positions, random_qkv, run_layer
-from reference import reference_layer, reference_reconstruction
+from reference import reference_layer, reference_reconstruction, reference_whole_cache
 
 # -- KeyDiff ----------------------------------------------------------------------------------------------------
 
@@ -153,6 +153,54 @@ def test_kvzip_pass_and_decoding_match_the_reference(name, mode, native, monkeyp
     for row in compressed:  # each head its capacity; AdaKV's heads share theirs, unevenly
         assert [len(head) for head in row] == [capacity] * kv_heads or (name == "adakv" and sum(map(len, row)) ==
                                                                         capacity * kv_heads)  # fmt: skip
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "kernels"])
+def test_kvzip_whole_cache_ranks_every_layer_together_and_decodes_at_each_layers_share(native):
+    """Three head-pooled layers through one pass: what each keeps equals the reference's one ranking over every
+    (layer, KV head) (each head's best kept); the layers end at different sizes summing to the budget, and decoding
+    afterwards holds each layer at its own share, as the reference layer does at that capacity."""
+    policy = AdaKV(KVzip(budget=5, recent=2, whole_cache=True))
+    settings = Settings(policy, "drop", None, compile_kernel=native)
+    layers = [PooledKVLayer(settings, i) for i in range(3)]
+    length, steps, kv_heads = 12, 6, 2
+    data = [random_qkv(total=length + steps, kv_heads=kv_heads, seed=40 + i) for i in range(3)]
+    pieces = [[random_qkv(total=m, kv_heads=kv_heads, seed=50 + 10 * i + m) for m in (6, 4)] for i in range(3)]
+    scaling = data[0][0].shape[-1] ** -0.5
+
+    def call(layer, qs, ks, vs):
+        layer.update(ks, vs)
+        return layer.forward_attention(qs, causal_mask(torch.ones(1, qs.shape[2], dtype=torch.bool)), scaling=scaling)
+
+    with Reconstruction(settings, layers) as rec:
+        for layer, (q, k, v) in zip(layers, data):
+            call(layer, q[:, :, :length], k[:, :, :length], v[:, :, :length])
+        for p in range(2):
+            with rec.scoring():
+                for layer, layer_pieces in zip(layers, pieces):
+                    call(layer, *layer_pieces[p])
+    scored = [reference_reconstruction(q[0, :, :length], k[0, :, :length], v[0, :, :length],
+                                       [(pq[0], pk[0], pv[0]) for pq, pk, pv in layer_pieces], length,
+                                       {"recent": 2, "context": length})[2]
+              for (q, k, v), layer_pieces in zip(data, pieces)]  # fmt: skip
+    want = reference_whole_cache(scored, 5)
+    assert [kept_positions(layer) for layer in layers] == [[sorted(t.pos for t in h) for h in lay] for lay in want]
+    sizes = [sum(map(len, lay)) for lay in want]
+    assert sum(sizes) == 5 * kv_heads * 3 and len(set(sizes)) > 1  # the budget, shared unevenly by the layers
+    params = {"recent": 2, "pooled": True, "context": length}
+    for layer, (q, k, v), kept, size in zip(layers, data, want, sizes):
+        outs = [call(layer, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1]) for t in range(length,
+                length + steps)]  # fmt: skip
+        decoded, ref_kept = reference_layer(q[0], k[0], v[0], [1] * steps, "kvzip", size / kv_heads, params,
+                                            kept=kept, start=length)  # fmt: skip
+        torch.testing.assert_close(torch.cat(outs, 1)[0].double(), decoded[length:], atol=1e-5, rtol=1e-5)
+        assert kept_positions(layer) == ref_kept and sum(map(len, ref_kept)) == size
+
+
+def test_whole_cache_needs_pooled_rows_and_is_not_served():
+    with pytest.raises(ValueError, match="AdaKV"):
+        Reconstruction(Settings(KVzip(budget=4, whole_cache=True)), [])
+    assert build("kvzipwhole", 0.25) == AdaKV(KVzip(budget=0.25, whole_cache=True))
 
 
 def test_the_pass_refuses_what_it_cannot_rank():

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import h2o_kv
-from h2o_kv.errors import ContextTooLong, KVMemoryExceeded
+from h2o_kv.errors import ContextTooLong, InputError, KVMemoryExceeded
+from h2o_kv.policies import AdaKV, KVzip
 from h2o_kv.runtime.compress import compress_with_logits, piece_overhead
 from h2o_kv.runtime.engine import Engine
 from h2o_kv.runtime.generation import decode_step, prefill
@@ -135,6 +136,17 @@ def test_a_prompt_whose_reconstruction_calls_pass_the_context_is_refused():
     with pytest.raises(ContextTooLong, match="reconstruction call"):
         run.submit(ids(200 - longest + 1, seed=1), max_tokens=ANSWER)
     assert ask(run, ids(200 - run._count.pass_call(100), seed=1)).finish_reason == "length"
+
+
+def test_a_whole_cache_ranking_is_refused_in_one_line():
+    """KVzip's whole-cache allocation sizes each layer when the pass ends; admission sizes the rows before it: the
+    engine refuses it at submit, by name or as a Policy, and serves the next request."""
+    run = engine()
+    with pytest.raises(InputError, match="sizes each layer by its scores"):
+        run.submit(ids(40, seed=2), max_tokens=ANSWER, policy="kvzipwhole", budget=0.5)
+    with pytest.raises(InputError, match="sizes each layer by its scores"):
+        run.submit(ids(40, seed=2), max_tokens=ANSWER, policy=AdaKV(KVzip(budget=8, whole_cache=True)))
+    assert ask(run, ids(40, seed=2)).finish_reason == "length"
 
 
 def test_a_kept_prefix_is_extended_without_a_pass_as_the_library_feeds_a_question():

@@ -178,7 +178,7 @@ SIZES: dict[str, Size] = {
         FidelitySize(prompts=6, passage_tokens=1024, new_tokens=64),
         SummarizeSize(records=8, new_tokens=64, document_tokens=2048),
         eval_tasks=("retrieval",),
-        policies=("keydiff", "kvzip", "snapkv", "h2o", "tova", "adakv", "globalkv", "streamingllm"),
+        policies=("keydiff", "kvzip", "kvzipwhole", "snapkv", "h2o", "tova", "adakv", "globalkv", "streamingllm"),
         budgets=(0.25, 0.1),
     ),
 }  # fmt: skip

@@ -111,16 +111,36 @@ class Reconstruction:
         qpos = torch.where(real, layer.next_pos.view(batch, 1) + real.cumsum(1) - 1, -1)
         used, bound = layer.used, layer.kept_bound
         first = layer._insert(keys, values, qpos)  # in order after every used slot (n > 1)
-        kv = Slots(layer.keys, layer.values, layer.pos, layer.key_scale, layer.value_scale, layer.head,
-                   layer.query_head)  # fmt: skip
         x = query.to(compute_dtype(query.dtype, query.device))
-        out, peak = attend_peak(x, kv, qpos, width=layer.used, scaling=scaling, window=window, softcap=softcap)
+        if layer.head is None:
+            kv = Slots(layer.keys, layer.values, layer.pos, layer.key_scale, layer.value_scale)
+            out, peak = attend_peak(x, kv, qpos, width=layer.used, scaling=scaling, window=window, softcap=softcap)
+        else:
+            out, peak = _peak_by_head(layer, x, qpos, scaling=scaling, window=window, softcap=softcap)
         layer.score[..., :first] = torch.maximum(layer.score[..., :first], peak[..., :first])
         for name, empty in (("pos", -1), ("score", 0.0), ("last", 0.0)):  # the call's tokens are not kept
             if getattr(layer, name) is not None:
                 getattr(layer, name)[..., first : layer.used] = empty
         layer.used, layer.kept_bound = used, bound
         return out.to(query.dtype)
+
+
+def _peak_by_head(layer, q: torch.Tensor, qpos: torch.Tensor, **options) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attend_peak` over a head-pooled row (AdaKV) during the pass: nothing has been evicted, so the row holds the
+    context and this call token-major, each token's heads side by side in order (pooled.py), and is read as
+    [B, heads, tokens] views, each query head against its own head's slots only (the row as one masked head would
+    multiply every query head by every head's slots). The peak comes back in the row's order, [B, 1, used]."""
+    heads, width = layer.kv_heads, layer.used
+    if width % heads:
+        raise RuntimeError(f"a pooled row in KVzip's pass holds whole tokens: {width} slots for {heads} heads")
+
+    def by_head(t: torch.Tensor | None) -> torch.Tensor | None:  # [B, 1, S, ...] -> [B, heads, width / heads, ...]
+        return None if t is None else t[:, 0, :width].unflatten(1, (width // heads, heads)).transpose(1, 2)
+
+    kv = Slots(by_head(layer.keys), by_head(layer.values), by_head(layer.pos), by_head(layer.key_scale),
+               by_head(layer.value_scale))  # fmt: skip
+    out, peak = attend_peak(q, kv, qpos, width=width // heads, **options)
+    return out, peak.transpose(1, 2).reshape(q.shape[0], 1, width)
 
 
 def attend_peak(q: torch.Tensor, kv: Slots, qpos: torch.Tensor, *, width: int, scaling: float, window: int | None,

@@ -256,21 +256,23 @@ def decode_step(
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
     new_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A uniform layer's steady decode step, one pass per (sequence, KV head) (`steady.Steady._decode_fused`),
     in place on the layer's storage: keys/values [B, H, S, D] (float32, bfloat16, or int8 with key_scale/value_scale
     [B, H, S]), pos, score and last [B, H, S]. The new token (new_keys/new_values [B, H, 1, D] in the storage's
     dtype, int8 with `new_scales` [B, H, 1] each) goes into the empty slot [B, H, 1] at positions qpos [B, 1];
     the query q [B, Hq, 1, D] attends over the row, the scores grow, and each row frees the oldest of its lowest
-    priorities: its score, +inf for the `recent` [B, 1, 1] newest positions (`Policy.protected_recent`), an empty
-    slot first within `capacity` [B, 1] and never over it. Returns the output [B, 1, Hq, D] (float32) and the
+    priorities: its score, +inf for the `recent` [B, 1, 1] newest positions (`Policy.protected_recent`) and for
+    positions below `sinks` [B, 1, 1] (`Policy.protected_sinks`; None: none), an empty slot first within
+    `capacity` [B, 1] and never over it. Returns the output [B, 1, Hq, D] (float32) and the
     freed slots [B, H, 1]. The query's scaling and the reshapes happen inside the C++ call (five Python tensor
     operations a layer fewer)."""
     load()
     new_key_scale, new_value_scale = (None, None) if new_scales is None else new_scales
     out, freed = torch.ops.h2o_kv.decode_step(
         q, keys, values, key_scale, value_scale, pos, score, last, slot, new_keys, new_values, new_key_scale,
-        new_value_scale, qpos, recent, capacity, scaling, 0.0 if softcap is None else softcap,
+        new_value_scale, qpos, recent, capacity, scaling, 0.0 if softcap is None else softcap, sinks,
     )  # fmt: skip
     return out, freed
 
@@ -337,21 +339,23 @@ def pooled_decode_step(
     *,
     scaling: float,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """A head-pooled layer's steady decode step (pooled.py `_decode_full`), in place on its row (keys/values
     [B, 1, S, D] float32, head [B, 1, S] int8, pos, score and last [B, 1, S]): the new token's `heads` keys and
     values [B, 1, heads, D] go into the vacant `slots` [B, 1, heads] (head i into the i-th, ascending) at
     positions qpos [B, 1], the query q [B, Hq, 1, D] attends (`pooled_attend_one`), the scores grow, and every
     row frees its `heads` lowest priorities: the score, +inf for the `recent` [B, 1, 1] newest positions
-    (`Policy.protected_recent`). Returns the output [B, 1, Hq, D], the freed slots [B, 1, heads] in slot order,
-    and whether a row's heads-th and next lowest tie (then nothing was freed: the exact order says which go)."""
+    (`Policy.protected_recent`) and below `sinks` [B, 1, 1] (`Policy.protected_sinks`; None: none). Returns the output
+    [B, 1, Hq, D], the freed slots [B, 1, heads] in slot order, and whether a row's heads-th and next lowest tie (then
+    nothing was freed: the exact order says which go)."""
     load()
     batch, q_heads, _, dim = q.shape
     query = (q * scaling).reshape(batch, q_heads, dim)
     heads = slots.shape[-1]
     out, freed, tied = torch.ops.h2o_kv.pooled_decode_step(
         query, keys, values, head, pos, score, last, slots, new_keys, new_values, qpos.view(-1), recent.view(-1),
-        heads, 0.0 if softcap is None else softcap,
+        heads, 0.0 if softcap is None else softcap, None if sinks is None else sinks.view(-1),
     )  # fmt: skip
     return out.view(batch, 1, q_heads, dim), freed, bool(tied)
 

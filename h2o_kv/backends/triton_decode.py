@@ -127,7 +127,7 @@ def _oldest_lowest(prio, pos, slot):
 
 
 @triton.jit
-def _merge(M, L, ACC, LOGITS, OUT, SCORE, LAST, POS, NEXT, RECENT, CP, CPOS, CSLOT, CCOUNT, CEMPTY,
+def _merge(M, L, ACC, LOGITS, OUT, SCORE, LAST, POS, NEXT, RECENT, SINKS, CP, CPOS, CSLOT, CCOUNT, CEMPTY,
            sob, soh, scb, sch, slb, slh, spb, sph,
            heads, slots, tiles,
            G: tl.constexpr, G_PAD: tl.constexpr, DV: tl.constexpr, NSPLIT: tl.constexpr, BLOCK: tl.constexpr,
@@ -135,7 +135,7 @@ def _merge(M, L, ACC, LOGITS, OUT, SCORE, LAST, POS, NEXT, RECENT, CP, CPOS, CSL
     """One program per row and tile of BLOCK slots (many short programs: the merge is latency-bound). Each finds
     its row's log-sum-exp from the splits' partial sums; tile 0 also merges the output. With EVICT, the tile adds
     its probabilities to the scores in place and leaves its eviction candidate (the oldest of its lowest
-    priorities: the score, +inf for the protected newest positions and, with HOLES, for empty slots) for `_pick`;
+    priorities: the score, +inf for the protected newest positions, the sinks and, with HOLES, empty slots) for `_pick`;
     with HOLES also its count of kept tokens (CCOUNT) and its first empty slot (CEMPTY)."""
     bh = tl.program_id(0)
     b, h, tile = bh // heads, bh % heads, tl.program_id(1)
@@ -169,7 +169,7 @@ def _merge(M, L, ACC, LOGITS, OUT, SCORE, LAST, POS, NEXT, RECENT, CP, CPOS, CSL
             score = tl.load(SCORE + b * scb + h * sch + s, mask=inside, other=0.0) + col
             tl.store(SCORE + b * scb + h * sch + s, score, mask=inside)
             p = tl.load(POS + b * spb + h * sph + s, mask=inside, other=NEVER)
-            protected = p >= tl.load(NEXT + b) - tl.load(RECENT + b)
+            protected = (p >= tl.load(NEXT + b) - tl.load(RECENT + b)) | (p < tl.load(SINKS + b))
             prio = tl.where(protected | ~inside | (p < 0), float("inf"), score)
             low, oldest, slot = _oldest_lowest(prio, p, s.to(tl.int64))
             if HOLES:  # a row within its capacity frees an empty slot instead (`_pick`)
@@ -326,7 +326,7 @@ def _decode_op(
     last = torch.empty(batch, heads, slots if want_last else 0, **f32)
     grid, block, tiles = _merge_grid(batch, heads, slots, q.device)
     none = stats[0]
-    _merge[grid](*stats, out, scores, last, none, none, none, none, none, none, none, none,
+    _merge[grid](*stats, out, scores, last, none, none, none, none, none, none, none, none, none,
                  out.stride(0), out.stride(1), scores.stride(0), scores.stride(1), last.stride(0), last.stride(1), 0, 0,
                  heads, slots, tiles, **meta, BLOCK=block, WANT_SCORES=want_scores, WANT_LAST=want_last, EVICT=False,
                  HOLES=False, num_warps=4)  # fmt: skip
@@ -363,17 +363,19 @@ def decode_evict(
     new_key_scale: torch.Tensor | None = None,
     new_value_scale: torch.Tensor | None = None,
     capacity: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A full layer's steady decode step in three launches: the attention output [B, 1, Hq, Dv], and in place the
-    scores `score` [B, H, S] grown by this step's probabilities (summed over the KV group), each row's victim freed
-    (`pos` -1, score 0) and its slot in `vacant` [B, H, 1]. The victim is the oldest of the row's lowest
-    priorities, a priority being the score, or +inf for positions at or after `next_pos` [B, 1, 1] minus `recent`
-    [B, 1, 1] (`Policy.protected_recent`: H2O, SnapKV). Without `capacity` every slot must hold a token (`Steady`'s
-    packed layer); with each row's `capacity` (B numbers: a batch of different budgets) empty slots (`pos` -1) are
-    masked, and a row holding no more than its capacity frees its first empty slot instead, as `Steady._evict_one`.
-    The new token is written already, or given as `new_key` / `new_value` [B, H, 1, D] in the storage's dtype (int8
-    with `new_key_scale` / `new_value_scale` [B, H, 1]) at positions `new_pos` [B, 1]: the first launch then
-    writes it into the `vacant` slots (whose scores the last eviction left at zero), in place of the scatters."""
+    """A full layer's steady decode step in three launches: the attention output [B, 1, Hq, Dv], and in place the scores
+    `score` [B, H, S] grown by this step's probabilities (summed over the KV group), each row's victim freed (`pos`
+    -1, score 0) and its slot in `vacant` [B, H, 1]. The victim is the oldest of the row's lowest priorities, a
+    priority being the score, or +inf for positions at or after `next_pos` [B, 1, 1] minus `recent` [B, 1, 1]
+    (`Policy.protected_recent`: H2O, SnapKV), or below `sinks` [B, 1, 1] (`Policy.protected_sinks`). Without
+    `capacity` every slot must hold a token (`Steady`'s packed layer); with each row's `capacity` (B numbers: a
+    batch of different budgets) empty slots (`pos` -1) are masked, and a row holding no more than its capacity frees
+    its first empty slot instead, as `Steady._evict_one`. The new token is written already, or given as `new_key` /
+    `new_value` [B, H, 1, D] in the storage's dtype (int8 with `new_key_scale` / `new_value_scale` [B, H, 1]) at
+    positions `new_pos` [B, 1]: the first launch then writes it into the `vacant` slots (whose scores the last
+    eviction left at zero), in place of the scatters."""
     batch, q_heads = q.shape[:2]
     heads, slots, dv = keys.shape[1], keys.shape[2], values.shape[-1]
     write = None
@@ -396,8 +398,9 @@ def decode_evict(
     cand = torch.empty(4 if holes else 2, batch * heads * tiles, dtype=torch.int64, device=q.device)
     cand_pos, cand_slot, count, empty = cand[0], cand[1], cand[-2], cand[-1]  # per tile; the last two with holes
     next_pos, recent = next_pos.reshape(batch).contiguous(), recent.expand(batch, 1, 1).reshape(batch).contiguous()
+    sinks = torch.zeros_like(recent) if sinks is None else sinks.expand(batch, 1, 1).reshape(batch).contiguous()
     cap = capacity.reshape(batch).contiguous() if holes else next_pos
-    _merge[grid](*stats, out, score, score, pos, next_pos, recent, cand_prio, cand_pos, cand_slot, count, empty,
+    _merge[grid](*stats, out, score, score, pos, next_pos, recent, sinks, cand_prio, cand_pos, cand_slot, count, empty,
                  out.stride(0), out.stride(1), score.stride(0), score.stride(1), 0, 0, pos.stride(0), pos.stride(1),
                  heads, slots, tiles, **meta, BLOCK=block, WANT_SCORES=False, WANT_LAST=False, EVICT=True,
                  HOLES=holes, num_warps=4)  # fmt: skip
@@ -409,7 +412,7 @@ def decode_evict(
 
 @decode_evict.register_fake
 def _(q, keys, values, pos, score, vacant, next_pos, recent, scaling, key_scale=None, value_scale=None, new_key=None,
-      new_value=None, new_pos=None, new_key_scale=None, new_value_scale=None, capacity=None):  # fmt: skip
+      new_value=None, new_pos=None, new_key_scale=None, new_value_scale=None, capacity=None, sinks=None):  # fmt: skip
     return q.new_empty(q.shape[0], 1, q.shape[1], values.shape[-1])
 
 

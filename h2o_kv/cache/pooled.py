@@ -74,11 +74,11 @@ class PooledKVLayer(KVLayer):
         batch, heads, _, dim = keys.shape
         next_pos = self.next_pos.view(-1, 1, 1)
         keys, values = keys.reshape(batch, 1, heads, dim), values.reshape(batch, 1, heads, values.shape[-1])
-        backend, recent = steady_route(self, query, buffered, softcap)  # "native" or "eager": no Triton step here
+        backend, recent, sinks = steady_route(self, query, buffered, softcap)  # "native" or "eager": no Triton here
         if backend == "native":  # the same operations in one C++ call
             out, freed, tied = native.pooled_decode_step(
                 query, self.keys, self.values, self.head, self.pos, self.score, self.last, slots, keys, values, qpos,
-                recent, scaling=scaling, softcap=softcap,
+                recent, scaling=scaling, softcap=softcap, sinks=sinks,
             )  # fmt: skip
             if not tied:
                 self._leave_vacant(freed)

@@ -106,21 +106,21 @@ def widens(query: torch.Tensor, keys: torch.Tensor, quantized: bool, native_rows
 
 
 def steady_route(layer, query: torch.Tensor, buffered: bool, softcap: float | None):
-    """Which backend runs a full layer's steady decode step (steady.py), and the policy's `protected_recent` it
-    ranks by: "native", one C++ pass per row (`native.decode_step`; `pooled_decode_step` for a head-pooled row);
-    "triton", `triton_decode.decode_evict` (`triton_step`); "eager" (None), torch's operations with the attention
-    through `attend`. Both kernels need a policy ranking by the undecayed score with the newest tokens kept (H2O,
-    SnapKV)."""
+    """Which backend runs a full layer's steady decode step (steady.py), and the policy's `protected_recent` and
+    `protected_sinks` it ranks by: "native", one C++ pass per row (`native.decode_step`; `pooled_decode_step` for a
+    head-pooled row); "triton", `triton_decode.decode_evict` (`triton_step`); "eager" (None, None), torch's operations
+    with the attention through `attend`. Both kernels need a policy ranking by the undecayed score with the newest
+    tokens kept (H2O, SnapKV, KVzip), and perhaps the first ones (`Sinks` around one)."""
     policy = layer.policy
+    state = layer.slot_state(layer.next_pos, keys=False)
+    recent = policy.protected_recent(state)
+    if recent is None:
+        return "eager", None, None
     if uses_native(layer.settings, query.device) and policy.decay == 1.0 and native_step_reads(layer, query):
-        recent = policy.protected_recent(layer.slot_state(layer.next_pos, keys=False))
-        if recent is not None:
-            return "native", recent
+        return "native", recent, policy.protected_sinks(state)
     if layer.head is None and triton_step(layer, query, buffered, softcap):
-        recent = policy.protected_recent(layer.slot_state(layer.next_pos, keys=False))
-        if recent is not None:
-            return "triton", recent
-    return "eager", None
+        return "triton", recent, policy.protected_sinks(state)
+    return "eager", None, None
 
 
 def native_step_reads(layer, query: torch.Tensor) -> bool:

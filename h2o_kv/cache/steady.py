@@ -79,18 +79,20 @@ class Steady:
         over its slots and then frees one again."""
         slots, buffered = self._take_vacant()
         batch, heads = slots.shape[:2]
-        backend, recent = steady_route(self, query, buffered, softcap)
+        backend, recent, sinks = steady_route(self, query, buffered, softcap)
         if backend == "native":  # the same operations in one C++ pass per (sequence, KV head)
-            return self._decode_fused(query, keys, values, qpos, slots, recent, scaling=scaling, softcap=softcap)
+            return self._decode_fused(query, keys, values, qpos, slots, recent, sinks, scaling=scaling,
+                                      softcap=softcap)  # fmt: skip
         if backend == "triton":  # write, attend, score and evict in three Triton launches
-            return self._decode_triton(query, recent, keys, values, qpos, scaling=scaling)
+            return self._decode_triton(query, recent, sinks, keys, values, qpos, scaling=scaling)
         self._write(slots, keys, values, qpos.view(batch, 1, 1).expand(batch, heads, 1), zeroed=True)
         out, valid = self._attend_steady(query, qpos, scaling=scaling, softcap=softcap)
         self._evict_one(valid, self.slot_state(self.next_pos))
         return out
 
     def _decode_fused(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, qpos: torch.Tensor,
-                      slots: torch.Tensor, recent: torch.Tensor, *, scaling: float, softcap: float | None):  # fmt: skip
+                      slots: torch.Tensor, recent: torch.Tensor, sinks: torch.Tensor | None, *, scaling: float,
+                      softcap: float | None):  # fmt: skip
         """`_decode_full` as one `native.decode_step`: write, attend, score and evict in one pass per row."""
         scales = None
         if self.key_scale is not None:  # int8 storage: quantize on the way in, as `_write` does
@@ -113,12 +115,13 @@ class Steady:
             key_scale=self.key_scale,
             value_scale=self.value_scale,
             new_scales=scales,
+            sinks=sinks,
         )
         self.end_steady(freed)
         return out.to(query.dtype)
 
-    def _decode_triton(self, query: torch.Tensor, recent: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                       qpos: torch.Tensor, *, scaling: float):  # fmt: skip
+    def _decode_triton(self, query: torch.Tensor, recent: torch.Tensor, sinks: torch.Tensor | None,
+                       keys: torch.Tensor, values: torch.Tensor, qpos: torch.Tensor, *, scaling: float):  # fmt: skip
         """Write the new token (keys, values [B, H, 1, D] at positions qpos [B, 1]) into the vacant buffer's slots,
         attend, add the scores and free each row's victim there (`triton_decode.decode_evict`). int8 storage gets
         the token quantized as `_write` quantizes it; a `ragged` layer's rows each keep their own capacity."""
@@ -135,7 +138,7 @@ class Steady:
         out = triton_decode.decode_evict(q, self.keys, self.values, self.pos, self.score, self.vacant_buffer,
                                          self.next_pos, recent, scaling=scaling, key_scale=self.key_scale,
                                          value_scale=self.value_scale, new_key=keys, new_value=values,
-                                         new_pos=qpos, **scales,
+                                         new_pos=qpos, **scales, sinks=sinks,
                                          capacity=None if self.packed else self.capacity)  # fmt: skip
         self._leave_vacant(self.vacant_buffer, buffered=True)
         return out.to(query.dtype)

@@ -109,6 +109,11 @@ class Policy:
         CPU then ranks inside h2o-kv's C++ kernel (`native.decode_step`). None for any other priority."""
         return None
 
+    def protected_sinks(self, state: SlotState) -> torch.Tensor | None:
+        """`sinks` [B, 1, 1] when positions below it are kept too, whatever their score (`Sinks` around a policy with
+        `protected_recent`): the decode kernels rank by `priority` masked there. None: no sinks."""
+        return None
+
     def for_layer(self, layer_idx: int, config) -> Policy:
         """The policy layer `layer_idx` of a model with this `config` applies (per-layer budgets:
         `LayerBudgets`); the same policy in every layer by default."""
@@ -156,6 +161,9 @@ class Wrapper(Policy):
     decay = property(lambda self: self.inner.decay)  # type: ignore[assignment]
     score_shared = property(lambda self: self.inner.score_shared)  # type: ignore[assignment]
     head_pooled = property(lambda self: self.inner.head_pooled)  # type: ignore[assignment]
+
+    def protected_sinks(self, state: SlotState) -> torch.Tensor | None:
+        return self.inner.protected_sinks(state)
 
 
 def check_budget(name: str, value: int | None, *, allow_zero: bool = False) -> None:

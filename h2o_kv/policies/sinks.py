@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from h2o_kv.policies.base import Policy, SlotState, Wrapper, check_budget
+from h2o_kv.policies.base import Policy, SlotState, Wrapper, check_budget, per_prompt
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,14 @@ class Sinks(Wrapper):
 
     def priority(self, state: SlotState) -> torch.Tensor:
         return self.inner.priority(state).masked_fill(state.pos < self.sinks, float("inf"))
+
+    def protected_recent(self, state: SlotState) -> torch.Tensor | None:
+        return self.inner.protected_recent(state)
+
+    def protected_sinks(self, state: SlotState) -> torch.Tensor:
+        inner = self.inner.protected_sinks(state)
+        own = per_prompt(state, "sinks", lambda prompt_len: torch.full_like(prompt_len, self.sinks))
+        return own if inner is None else torch.maximum(own, inner)
 
     def describe(self) -> str:
         return f"Sinks({self.inner.describe()}, sinks={self.sinks})"

@@ -99,12 +99,13 @@ def steady_state(batch, heads, slots, dim, seed, *, ties=False, within=False):
 
 @pytest.mark.parametrize("storage", ["float32", "int8", "bfloat16"])
 @pytest.mark.parametrize("dim", [16, 20], ids=["vectors", "tail"])
-@pytest.mark.parametrize("case", ["plain", "ties", "within"])
+@pytest.mark.parametrize("case", ["plain", "ties", "within", "sinks"])
 def test_decode_step_equals_the_eager_steady_step(case, dim, storage):
     """native.decode_step (a full uniform layer's decode step in one C++ pass per row) writes the new token
     into the vacant slot, attends, adds the scores and frees the oldest of the lowest priorities (score, the
-    `recent` newest kept; an empty slot first within capacity), exactly as the eager operations do
-    (steady.Steady._decode_full with compile_kernel=False: scatter, attention, add, amin/argmin, scatter)."""
+    `recent` newest kept, and with `sinks` the positions below them; an empty slot first within capacity), exactly
+    as the eager operations do (steady.Steady._decode_full with compile_kernel=False: scatter, attention, add,
+    amin/argmin, scatter)."""
     from h2o_kv.backends import native
     from h2o_kv.cache.quant import quantize
 
@@ -119,6 +120,7 @@ def test_decode_step_equals_the_eager_steady_step(case, dim, storage):
     )
     new_keys, new_values = torch.randn(2, batch, heads, 1, dim, generator=gen)
     recent = torch.tensor([3, 5, 1]).view(batch, 1, 1)
+    sinks = torch.tensor([30, 0, 45]).view(batch, 1, 1) if case == "sinks" else None
     key_scale = value_scale = new_scales = None
     int8 = storage == "int8"
     if storage == "bfloat16":
@@ -129,7 +131,7 @@ def test_decode_step_equals_the_eager_steady_step(case, dim, storage):
     mine = [t.clone() if t is not None else None for t in (keys, values, pos, score, key_scale, value_scale)]
     out, freed = native.decode_step(q, mine[0], mine[1], mine[2], mine[3], None, vacant, new_keys, new_values, qpos,
                                     recent, capacity, scaling=0.3, key_scale=mine[4], value_scale=mine[5],
-                                    new_scales=new_scales)  # fmt: skip
+                                    new_scales=new_scales, sinks=sinks)  # fmt: skip
     # the eager step
     expand = vacant[..., None].expand(-1, -1, -1, dim)
     keys.scatter_(2, expand, new_keys)
@@ -143,10 +145,16 @@ def test_decode_step_equals_the_eager_steady_step(case, dim, storage):
     score += added
     valid = pos >= 0
     over = valid.sum(-1, keepdim=True) > capacity.view(-1, 1, 1)
-    priority = torch.where(pos >= qpos.view(-1, 1, 1) + 1 - recent, float("inf"), score)
-    priority = torch.where(valid, priority, torch.where(over, float("inf"), float("-inf")))
+    ranked = torch.where(pos >= qpos.view(-1, 1, 1) + 1 - recent, float("inf"), score)
+    empty = torch.where(over, float("inf"), float("-inf"))
+    ranked_sinks = ranked if sinks is None else ranked.masked_fill(pos < sinks, float("inf"))  # as `Sinks.priority`
+    priority = torch.where(valid, ranked_sinks, empty)
     lowest = priority.amin(-1, keepdim=True)
     victim = torch.where(priority == lowest, pos, torch.iinfo(torch.int64).max).argmin(-1, keepdim=True)
+    if sinks is not None:  # the sinks changed what some row frees
+        plain = torch.where(valid, ranked, empty)
+        plain_victim = torch.where(plain == plain.amin(-1, keepdim=True), pos, torch.iinfo(torch.int64).max)
+        assert not torch.equal(plain_victim.argmin(-1, keepdim=True), victim)
     before = pos.clone()
     pos.scatter_(2, victim, -1)
     score.scatter_(2, victim, 0.0)
@@ -160,11 +168,12 @@ def test_decode_step_equals_the_eager_steady_step(case, dim, storage):
         assert bool(((priority == lowest).sum(-1) > 1).any())
 
 
-@pytest.mark.parametrize("case", ["plain", "tie"])
+@pytest.mark.parametrize("case", ["plain", "tie", "sinks"])
 def test_pooled_decode_step_equals_the_eager_steady_step(case):
     """native.pooled_decode_step (AdaKV's steady step in one C++ call) writes the new token's heads into the
     vacant slots with their tags, attends (pooled_attend_one), adds the scores and frees each row's `heads`
-    lowest priorities (lowest_slots), as the eager operations do; on a tie at the boundary it frees nothing."""
+    lowest priorities (lowest_slots; with `sinks`, positions below them kept), as the eager operations do; on a tie
+    at the boundary it frees nothing."""
     from h2o_kv.backends import native
 
     batch, heads, group, slots, dim = 2, 3, 2, 40, 16
@@ -182,9 +191,10 @@ def test_pooled_decode_step_equals_the_eager_steady_step(case):
     score.scatter_(2, vacant, 0.0)
     new_keys, new_values = torch.randn(2, batch, 1, heads, dim, generator=gen)
     qpos, recent = torch.full((batch, 1), 3 * slots), torch.tensor([4, 2]).view(batch, 1, 1)
+    sinks = torch.tensor([60, 20]).view(batch, 1, 1) if case == "sinks" else None
     mine = [t.clone() for t in (keys, values, tag, pos, score)]
     out, freed, tied = native.pooled_decode_step(q, *mine, None, vacant, new_keys, new_values, qpos, recent,
-                                                 scaling=0.3)  # fmt: skip
+                                                 scaling=0.3, sinks=sinks)  # fmt: skip
     expand = vacant[..., None].expand(-1, -1, -1, dim)
     keys.scatter_(2, expand, new_keys)
     values.scatter_(2, expand, new_values)
@@ -193,6 +203,10 @@ def test_pooled_decode_step_equals_the_eager_steady_step(case):
     expected, added, _ = native.pooled_attend_one(q, keys, values, tag, pos, heads, scaling=0.3)
     score += added
     priority = torch.where((pos < 0) | (pos >= qpos.view(-1, 1, 1) + 1 - recent), float("inf"), score)
+    if sinks is not None:
+        plain = native.lowest_slots(priority, heads)[0]
+        priority = priority.masked_fill(pos < sinks, float("inf"))
+        assert not torch.equal(plain, native.lowest_slots(priority, heads)[0])  # the sinks changed what goes
     lowest, expected_tie = native.lowest_slots(priority, heads)
     assert tied == expected_tie == (case == "tie")
     if not tied:

@@ -75,11 +75,12 @@ def test_decode_kernel_matches_literal_attention(device, storage, group, dim, ho
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("storage", ["float32", "int8", "float32-write"])
-@pytest.mark.parametrize("recent,ties", [(3, False), (3, True), (200, True)])
-def test_decode_evict_matches_the_torch_step(device, storage, recent, ties):
+@pytest.mark.parametrize("recent,ties,sinks", [(3, False, 0), (3, True, 0), (200, True, 0), (3, False, 20)])
+def test_decode_evict_matches_the_torch_step(device, storage, recent, ties, sinks):
     """`decode_evict` against literal attention and the torch eviction (`Steady._evict_one` on a packed layer):
     the scores grown in place, each row's victim (the oldest of its lowest priorities; ties in score, and every slot
-    protected when `recent` exceeds the row) freed, its slot in the vacant buffer. "-write": the new token given to
+    protected when `recent` exceeds the row; `sinks`: positions below them protected too) freed, its slot in the
+    vacant buffer. "-write": the new token given to
     the kernel, which writes it into the vacant slots (empty, score 0) the reference writes it into first."""
     from h2o_kv.backends.triton_decode import decode_evict
 
@@ -112,9 +113,13 @@ def test_decode_evict_matches_the_torch_step(device, storage, recent, ties):
         scales, k_ref, v_ref = (ks, vs), dequantize(k, ks, torch.float32), dequantize(v, vs, torch.float32)
     ref_out, summed, _ = literal(q, k_ref, v_ref, torch.ones(batch, heads, 1, slots, dtype=torch.bool), dim**-0.5)
     ref_score = score.double() + summed
-    priority = torch.where(pos >= next_pos - recent, float("inf"), ref_score)
+    priority = torch.where((pos >= next_pos - recent) | (pos < sinks), float("inf"), ref_score)
     oldest = torch.where(priority == priority.amin(-1, keepdim=True), pos, torch.iinfo(torch.int64).max)
     victim = oldest.argmin(-1, keepdim=True)
+    if sinks:  # the sinks changed some row's victim
+        plain = torch.where(pos >= next_pos - recent, float("inf"), ref_score)
+        plain = torch.where(plain == plain.amin(-1, keepdim=True), pos, torch.iinfo(torch.int64).max)
+        assert not torch.equal(plain.argmin(-1, keepdim=True), victim)
     ref_pos, ref_score = pos.scatter(2, victim, -1), ref_score.scatter(2, victim, 0.0)
 
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
@@ -123,8 +128,9 @@ def test_decode_evict_matches_the_torch_step(device, storage, recent, ties):
     k_d, v_d = to((held[0] if write else k).clone()), to((held[1] if write else v).clone())
     recent_t = torch.tensor(recent).view(1, 1, 1)
     new = {name: to(t) for name, t in new.items()}
+    sinks_t = to(torch.tensor(sinks).view(1, 1, 1)) if sinks else None
     out = decode_evict(to(q), k_d, v_d, pos_d, score_d, vacant, to(next_pos), to(recent_t), scaling=dim**-0.5,
-                       key_scale=to(scales[0]), value_scale=to(scales[1]), **new)  # fmt: skip
+                       key_scale=to(scales[0]), value_scale=to(scales[1]), sinks=sinks_t, **new)  # fmt: skip
     torch.testing.assert_close(out.cpu().double(), ref_out.transpose(1, 2), atol=1e-5, rtol=1e-5)
     assert torch.equal(k_d.cpu(), k) and torch.equal(v_d.cpu(), v)  # the token written; nothing else touched
     assert torch.equal(vacant.cpu(), victim)
@@ -215,24 +221,35 @@ def test_layer_on_the_triton_kernels_matches_the_reference(monkeypatch, name, sc
     assert kept_positions(layer) == ref_kept
 
 
-@pytest.mark.parametrize("kv_dtype", [None, "int8"])
-def test_steady_steps_on_the_triton_kernels_equal_the_torch_steps(monkeypatch, kv_dtype):
+@pytest.mark.parametrize("kv_dtype,sinks", [(None, 0), ("int8", 0), (None, 3)], ids=["float", "int8", "sinks"])
+def test_steady_steps_on_the_triton_kernels_equal_the_torch_steps(monkeypatch, kv_dtype, sinks):
     """Decode steps of full layers on `decode_evict` (which writes the new token itself, int8 storage's quantized
-    with its scales) against the same steps in torch: the logits and the kept positions."""
+    with its scales; `Sinks` around H2O: its first tokens kept there too) against the same steps in torch: the logits
+    and the kept positions."""
     if not interpreted():
         pytest.skip("CPU tensors reach the Triton kernels only under the interpreter (test_cuda.py covers CUDA)")
+    from h2o_kv.backends import triton_decode
+
     model = make_model("llama")
     ids = random_ids(2, 12)
-    runs = []
+    runs, evicts = [], []
+    monkeypatch.setattr(triton_decode, "decode_evict", lambda *a, f=triton_decode.decode_evict, **k:
+                        evicts.append(k.get("sinks")) or f(*a, **k))  # fmt: skip
     for triton in ("0", "1"):
+        evicts.clear()
         monkeypatch.setenv("H2O_KV_TRITON", triton)
-        cache = h2o_kv.KVCache(h2o_kv.H2O(heavy=4, recent=4), kv_dtype=kv_dtype, compile_kernel=False)
+        policy = h2o_kv.H2O(heavy=4, recent=4)
+        cache = h2o_kv.KVCache(h2o_kv.Sinks(policy, sinks=sinks) if sinks else policy, kv_dtype=kv_dtype,
+                               compile_kernel=False)  # fmt: skip
         with torch.inference_mode():
             token, position, logits = prefill(model, cache, ids).argmax(-1), torch.full((2,), 12), []
             for _ in range(6):
                 logits.append(forward(model, cache, token.view(-1, 1), positions=position.view(-1, 1)))
                 token, position = logits[-1].argmax(-1), position + 1
         assert all(layer.packed for layer in cache.layers)  # the last steps were the steady ones
+        assert bool(evicts) == (triton == "1") and all((s is not None) == bool(sinks) for s in evicts)
+        if sinks:  # the sinks stayed, and the steps evicted
+            assert all(all(set(range(sinks)) <= set(head) for head in kept_positions(layer)) for layer in cache.layers)
         runs.append((torch.stack(logits), [kept_positions(layer) for layer in cache.layers]))
     torch.testing.assert_close(runs[1][0], runs[0][0], atol=1e-4, rtol=1e-4)
     assert runs[1][1] == runs[0][1]

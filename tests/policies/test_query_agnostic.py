@@ -147,8 +147,8 @@ def test_kvzip_pass_and_decoding_match_the_reference(name, mode, native, monkeyp
                                             window=window, kept=kept, start=length)  # fmt: skip
         torch.testing.assert_close(torch.cat(outs[4:], 1)[row].double(), decoded[length:], atol=1e-5, rtol=1e-5)
         assert kept_positions(layer, row) == ref_kept
-    # a mask-mode or sliding layer's step is the general one, and so is Sinks' (not the score with the newest kept)
-    in_kernel = native and mode == "drop" and window is None and name != "sinks"
+    # a mask-mode or sliding layer's step is the general one; Sinks' runs in the kernel, its sinks kept there too
+    in_kernel = native and mode == "drop" and window is None
     assert len(steps_in_kernel) >= (steps - 2 if in_kernel else 0) and (in_kernel or not steps_in_kernel)
     for row in compressed:  # each head its capacity; AdaKV's heads share theirs, unevenly
         assert [len(head) for head in row] == [capacity] * kv_heads or (name == "adakv" and sum(map(len, row)) ==

@@ -276,7 +276,8 @@ namespace h2o_kv {
 // `scaling` in float32 as torch's q.float() * scaling) attend (attend_row, empty slots masked); each slot's score
 // gains the probability its query heads paid (and `last` gets their mean, when given); then the row frees the
 // oldest of its lowest priorities, where a kept token's priority is its score, or +inf for the `recent` [B]
-// newest positions (H2O's and SnapKV's ranking, policies' `protected_recent`), and an empty slot ranks -inf
+// newest positions (H2O's and SnapKV's ranking, policies' `protected_recent`) and for positions below `sinks` [B]
+// when given (`protected_sinks`), and an empty slot ranks -inf
 // in a row within its capacity [B] (it is "freed" instead) and +inf in a row over it. qpos, recent and
 // capacity may come in any shape of B numbers. Returns the output [B, 1, Hq, D] float32 and the freed slots
 // [B, H, 1] (where the next step writes).
@@ -288,7 +289,7 @@ std::vector<at::Tensor> decode_step(const at::Tensor& q, const at::Tensor& keys,
                                     const std::optional<at::Tensor>& new_key_scale,
                                     const std::optional<at::Tensor>& new_value_scale, const at::Tensor& qpos,
                                     const at::Tensor& recent, const at::Tensor& capacity, double scaling,
-                                    double softcap) {
+                                    double softcap, const std::optional<at::Tensor>& sinks) {
   const bool int8 = keys.scalar_type() == at::kChar, bf16 = keys.scalar_type() == at::kBFloat16;
   TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16)
               && keys.scalar_type() == values.scalar_type() && (int8 || bf16 || keys.scalar_type() == at::kFloat)
@@ -313,12 +314,14 @@ std::vector<at::Tensor> decode_step(const at::Tensor& q, const at::Tensor& keys,
               && capacity.scalar_type() == at::kLong, "decode_step: int64 pos, slots and positions, float32 score");
   if (last) TORCH_CHECK(last->sizes() == score.sizes() && last->is_contiguous() && last->scalar_type() == at::kFloat,
                         "decode_step: last like score");
+  if (sinks) TORCH_CHECK(sinks->numel() == B && sinks->scalar_type() == at::kLong, "decode_step: B int64 sinks");
   if (int8) TORCH_CHECK(key_scale->is_contiguous() && value_scale->is_contiguous() && key_scale->sizes() == pos.sizes()
                         && value_scale->sizes() == pos.sizes(), "decode_step: scales like pos, contiguous");
   const at::Tensor qc = q.to(at::kFloat).contiguous();  // [B, Hq, 1, D], scaled per row below (as q.float() * scaling)
   const float scale = static_cast<float>(scaling);
   const at::Tensor sc = slot.contiguous(), qposc = qpos.contiguous();
   const at::Tensor rc = recent.contiguous(), cc = capacity.contiguous();
+  const at::Tensor kc = sinks ? sinks->contiguous() : at::zeros({B}, recent.options());
   const at::Tensor nk = new_keys.contiguous(), nv = new_values.contiguous();
   const at::Tensor nks = int8 ? new_key_scale->contiguous() : at::Tensor();
   const at::Tensor nvs = int8 ? new_value_scale->contiguous() : at::Tensor();
@@ -334,6 +337,7 @@ std::vector<at::Tensor> decode_step(const at::Tensor& q, const at::Tensor& keys,
   float* ksp = int8 ? key_scale->data_ptr<float>() : nullptr;
   float* vsp = int8 ? value_scale->data_ptr<float>() : nullptr;
   const int64_t *qposp = qposc.data_ptr<int64_t>(), *rp = rc.data_ptr<int64_t>(), *cp = cc.data_ptr<int64_t>();
+  const int64_t* sinkp = kc.data_ptr<int64_t>();
   int64_t* vp = victims.data_ptr<int64_t>();
   const float cap = static_cast<float>(softcap);
   auto run = [&](auto* kp, auto* valp, const auto* nkp, const auto* nvp) {
@@ -364,10 +368,12 @@ std::vector<at::Tensor> decode_step(const at::Tensor& q, const at::Tensor& keys,
         const float empty = kept > cp[b] ? std::numeric_limits<float>::infinity()
                                          : -std::numeric_limits<float>::infinity();
         const int64_t newest = qposp[b] + 1 - rp[b];  // next_pos - recent: kept whatever their score
+        const int64_t first = sinkp[b];                // and the sinks, below it
         int64_t victim = 0;
         float best = 0.f;
         for (int64_t s = 0; s < S; ++s) {  // the lowest priority, the oldest (then the first slot) among equals
-          const float pr = rpos[s] < 0 ? empty : rpos[s] >= newest ? std::numeric_limits<float>::infinity() : rscore[s];
+          const bool kept_anyway = rpos[s] >= newest || rpos[s] < first;
+          const float pr = rpos[s] < 0 ? empty : kept_anyway ? std::numeric_limits<float>::infinity() : rscore[s];
           if (s == 0 || pr < best || (pr == best && rpos[s] < rpos[victim])) {
             best = pr;
             victim = s;
@@ -400,6 +406,6 @@ TORCH_LIBRARY(h2o_kv, m) {
   m.def("decode_step(Tensor q, Tensor(a!) keys, Tensor(b!) values, Tensor(c!)? key_scale, Tensor(d!)? value_scale, "
         "Tensor(e!) pos, Tensor(f!) score, Tensor(g!)? last, Tensor slot, Tensor new_keys, Tensor new_values, "
         "Tensor? new_key_scale, Tensor? new_value_scale, Tensor qpos, Tensor recent, Tensor capacity, "
-        "float scaling, float softcap) -> Tensor[]",
+        "float scaling, float softcap, Tensor? sinks=None) -> Tensor[]",
         &h2o_kv::decode_step);
 }

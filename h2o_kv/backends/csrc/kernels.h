@@ -26,6 +26,6 @@ std::vector<at::Tensor> decode_step(const at::Tensor& q, const at::Tensor& keys,
                                     const std::optional<at::Tensor>& new_key_scale,
                                     const std::optional<at::Tensor>& new_value_scale, const at::Tensor& qpos,
                                     const at::Tensor& recent, const at::Tensor& capacity, double scaling,
-                                    double softcap);
+                                    double softcap, const std::optional<at::Tensor>& sinks);
 
 }  // namespace h2o_kv

@@ -330,15 +330,15 @@ std::vector<at::Tensor> lowest_slots(const at::Tensor& priority, int64_t k) {
 // `slot` [B, 1, heads] (ascending: head i into the i-th) at position qpos [B]; the query heads attend
 // (pooled_attend_one); each slot's score gains what its head's queries paid (`last` gets their mean, when
 // given); then every row's `heads` lowest priorities are freed, where a kept token's priority is its score, or
-// +inf for the `recent` [B] newest positions, and an empty slot's +inf. If any row's heads-th and next lowest
-// tie, nothing is freed (the caller takes the exact order). Returns out [B, Hq, D], the freed slots
+// +inf for the `recent` [B] newest positions and below `sinks` [B] when given, and an empty slot's +inf. If any
+// row's heads-th and next lowest tie, nothing is freed (the caller takes the exact order). Returns out [B, Hq, D], the freed slots
 // [B, 1, heads] and the tie flag.
 std::vector<at::Tensor> pooled_decode_step(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                                            const at::Tensor& head, const at::Tensor& pos, const at::Tensor& score,
                                            const std::optional<at::Tensor>& last, const at::Tensor& slot,
                                            const at::Tensor& new_keys, const at::Tensor& new_values,
                                            const at::Tensor& qpos, const at::Tensor& recent, int64_t heads,
-                                           double softcap) {
+                                           double softcap, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && keys.size(1) == 1 && keys.sizes() == values.sizes() && heads > 0
               && q.size(0) == keys.size(0) && q.size(2) == keys.size(3) && q.size(1) % heads == 0 && pos.dim() == 3 && pos.sizes() == score.sizes() && pos.sizes() == head.sizes()
               && pos.size(0) == keys.size(0) && pos.size(2) == keys.size(2) && slot.numel() == keys.size(0) * heads
@@ -358,6 +358,9 @@ std::vector<at::Tensor> pooled_decode_step(const at::Tensor& q, const at::Tensor
   const int64_t B = keys.size(0), S = keys.size(2), D = keys.size(3);
   const at::Tensor sc = slot.contiguous(), nk = new_keys.contiguous(), nv = new_values.contiguous();
   const at::Tensor qposc = qpos.contiguous(), rc = recent.contiguous();
+  TORCH_CHECK(!sinks || (sinks->numel() == B && sinks->scalar_type() == at::kLong), "pooled_decode_step: B int64 sinks");
+  const at::Tensor kc = sinks ? sinks->contiguous() : at::zeros({B}, recent.options());
+  const int64_t* sinkp = kc.data_ptr<int64_t>();
   const int64_t* slots = sc.data_ptr<int64_t>();
   for (int64_t i = 0; i < B * heads; ++i) TORCH_CHECK(slots[i] >= 0 && slots[i] < S, "pooled_decode_step: a slot out of range");
   float* kp = keys.data_ptr<float>();
@@ -391,12 +394,13 @@ std::vector<at::Tensor> pooled_decode_step(const at::Tensor& q, const at::Tensor
     std::vector<float> priority(S), value(heads + 1);
     std::vector<int64_t> index(heads + 1);
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t newest = qposp[b] + 1 - rp[b];  // next_pos - recent: kept whatever their score
+      const int64_t newest = qposp[b] + 1 - rp[b];  // next_pos - recent: kept whatever their score, as the sinks
       for (int64_t s = 0; s < S; ++s) {
         const int64_t at = b * S + s;
         scp[at] += added[at];
         if (lp) lp[at] = mean[at];
-        priority[s] = pp[at] < 0 || pp[at] >= newest ? std::numeric_limits<float>::infinity() : scp[at];
+        const bool kept_anyway = pp[at] < 0 || pp[at] >= newest || pp[at] < sinkp[b];
+        priority[s] = kept_anyway ? std::numeric_limits<float>::infinity() : scp[at];
       }
       tied[b] = row_lowest(priority.data(), S, heads, value.data(), index.data(), fp + b * heads);
     }
@@ -422,6 +426,6 @@ TORCH_LIBRARY_FRAGMENT(h2o_kv, m) {
   m.def("lowest_slots(Tensor priority, int k) -> Tensor[]", &lowest_slots);
   m.def("pooled_decode_step(Tensor q, Tensor(a!) keys, Tensor(b!) values, Tensor(c!) head, Tensor(d!) pos, "
         "Tensor(e!) score, Tensor(f!)? last, Tensor slot, Tensor new_keys, Tensor new_values, Tensor qpos, "
-        "Tensor recent, int heads, float softcap) -> Tensor[]",
+        "Tensor recent, int heads, float softcap, Tensor? sinks=None) -> Tensor[]",
         &pooled_decode_step);
 }

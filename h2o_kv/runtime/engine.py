@@ -69,7 +69,8 @@ class Engine:
         copies no other row's storage; `captured_steps`: a batch's steady decode step is recorded as a CUDA graph
         once per bucket and replayed (captured.py). None: both on a GPU, both off on a CPU."""
         # the defaults must make sense; a Full default keeps `budget` for requests naming a bounded policy
-        policies.build(policy, None if str(policy).lower() == "full" else budget, sinks=sinks)
+        default = policies.build(policy, None if str(policy).lower() == "full" else budget, sinks=sinks)
+        _servable(default)
         for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk or 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -163,9 +164,7 @@ class Engine:
             if budget is None and str(name).lower() != "full":
                 budget = self.budget  # None: a request naming a bounded policy must then give its own
             built = policies.build(name, budget, sinks=self.sinks)
-        if ranks_whole_cache(built):  # admission sizes each layer's rows before the pass would resize them
-            raise InputError(f"{built.describe()} sizes each layer by its scores: h2o_kv.compress and h2o-kv eval "
-                             "run it; the engine serves kvzip (per KV head) or adakv")  # fmt: skip
+        _servable(built)
         return built
 
     def kv_bytes_for(self, prompt_len: int, max_tokens: int, policy: Policy | None = None) -> int:
@@ -277,3 +276,11 @@ class Engine:
 
     def _detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _servable(policy: Policy) -> None:
+    """Refuse a policy the engine cannot serve: KVzip's whole-cache ranking sizes each layer when its pass ends, and
+    admission sizes the rows before it."""
+    if ranks_whole_cache(policy):
+        raise InputError(f"{policy.describe()} sizes each layer by its scores: h2o_kv.compress and h2o-kv eval run "
+                         "it; the engine serves kvzip (per KV head) or adakv")  # fmt: skip

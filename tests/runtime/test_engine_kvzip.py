@@ -147,6 +147,8 @@ def test_a_whole_cache_ranking_is_refused_in_one_line():
     with pytest.raises(InputError, match="sizes each layer by its scores"):
         run.submit(ids(40, seed=2), max_tokens=ANSWER, policy=AdaKV(KVzip(budget=8, whole_cache=True)))
     assert ask(run, ids(40, seed=2)).finish_reason == "length"
+    with pytest.raises(InputError, match="sizes each layer by its scores"):  # nor as the default (serve --policy)
+        Engine(make_model("llama"), make_tokenizer(), policy="kvzipwhole", budget=0.5)
 
 
 def test_a_kept_prefix_is_extended_without_a_pass_as_the_library_feeds_a_question():

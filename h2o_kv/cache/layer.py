@@ -339,9 +339,7 @@ class KVLayer(Rows, Steady, CacheLayerMixin):
             self.kept_bound = min(self.kept_bound, self.max_capacity)
             return
         # a prompt or chunk: rank by (priority, position) and drop the `excess` lowest
-        by_age = torch.sort(torch.where(valid, self.pos, torch.iinfo(torch.int64).max), dim=-1, stable=True)
-        order = by_age.indices.gather(2, torch.sort(priority.gather(2, by_age.indices), dim=-1, stable=True).indices)
-        evict = valid & (ranks_of(order) < excess.unsqueeze(-1))
+        evict = valid & (eviction_ranks(valid, self.pos, priority) < excess.unsqueeze(-1))
         self._free(evict)
         self.kept_bound = min(self.kept_bound, self.max_capacity)
         if self.settings.mode == "drop" and self.keys.shape[2] > self.max_capacity + self.spare:
@@ -395,7 +393,11 @@ class KVLayer(Rows, Steady, CacheLayerMixin):
         return self.nbytes() * int(kept.sum()) // slots if slots else 0
 
 
-def ranks_of(order: torch.Tensor) -> torch.Tensor:
-    """Each slot's place in `order` (sort indices along the last dimension): the inverse permutation."""
+def eviction_ranks(valid: torch.Tensor, pos: torch.Tensor, priority: torch.Tensor) -> torch.Tensor:
+    """Each slot's place in eviction order along the last dimension: the lowest `priority` first, ties to the oldest
+    `pos`, then to the earlier slot; slots not `valid` last. Dropping the `excess` lowest is `ranks < excess`."""
+    by_age = torch.sort(torch.where(valid, pos, torch.iinfo(torch.int64).max), dim=-1, stable=True).indices
+    key = torch.where(valid, priority, float("inf")).gather(-1, by_age)
+    order = by_age.gather(-1, torch.sort(key, dim=-1, stable=True).indices)
     places = torch.arange(order.shape[-1], device=order.device).expand_as(order)
-    return torch.empty_like(order).scatter_(-1, order, places)
+    return torch.empty_like(order).scatter_(-1, order, places)  # the inverse permutation

@@ -36,6 +36,7 @@ from h2o_kv.cache.attend import (
     hidden,
     stored_as,
 )
+from h2o_kv.cache.layer import eviction_ranks
 from h2o_kv.policies.kvzip import ranks_whole_cache
 
 
@@ -198,12 +199,7 @@ def rank_whole_cache(layers: list) -> None:
     budget = sum(layer.capacity.view(-1) for layer in layers)  # [B]
     free = (valid_all & ~protect_all).sum(-1)
     excess = torch.minimum(valid_all.sum(-1) - budget, free).clamp(min=0)  # [B]
-    by_age = torch.sort(torch.where(valid_all, pos_all, torch.iinfo(torch.int64).max), dim=-1, stable=True).indices
-    key = torch.where(valid_all, priority_all, float("inf")).gather(-1, by_age)
-    order = by_age.gather(-1, torch.sort(key, dim=-1, stable=True).indices)
-    places = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
-                                              .expand_as(order))  # fmt: skip
-    evict = valid_all & (places < excess.unsqueeze(-1))
+    evict = valid_all & (eviction_ranks(valid_all, pos_all, priority_all) < excess.unsqueeze(-1))
     start = 0
     for layer in layers:
         width = layer.pos.shape[-1]

@@ -41,9 +41,6 @@ class AdaKV(Wrapper):
     def priority(self, state: SlotState) -> torch.Tensor:
         return self.inner.priority(state)
 
-    def protected_recent(self, state: SlotState):
-        return self.inner.protected_recent(state)
-
     def for_layer(self, layer_idx: int, config) -> Policy:
         own = self.inner.for_layer(layer_idx, config)
         return self if own is self.inner else AdaKV(own)

@@ -162,6 +162,9 @@ class Wrapper(Policy):
     score_shared = property(lambda self: self.inner.score_shared)  # type: ignore[assignment]
     head_pooled = property(lambda self: self.inner.head_pooled)  # type: ignore[assignment]
 
+    def protected_recent(self, state: SlotState) -> torch.Tensor | None:
+        return self.inner.protected_recent(state)
+
     def protected_sinks(self, state: SlotState) -> torch.Tensor | None:
         return self.inner.protected_sinks(state)
 

@@ -58,9 +58,6 @@ class LayerBudgets(Wrapper):
     def priority(self, state: SlotState):
         return self.inner.priority(state)
 
-    def protected_recent(self, state: SlotState):
-        return self.inner.protected_recent(state)
-
     def shares(self, config: Any) -> list[float]:
         """Each layer's budget as a multiple of the mean (the list averages to 1)."""
         layers = int(config.num_hidden_layers)

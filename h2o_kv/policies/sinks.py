@@ -30,9 +30,6 @@ class Sinks(Wrapper):
     def priority(self, state: SlotState) -> torch.Tensor:
         return self.inner.priority(state).masked_fill(state.pos < self.sinks, float("inf"))
 
-    def protected_recent(self, state: SlotState) -> torch.Tensor | None:
-        return self.inner.protected_recent(state)
-
     def protected_sinks(self, state: SlotState) -> torch.Tensor:
         inner = self.inner.protected_sinks(state)
         own = per_prompt(state, "sinks", lambda prompt_len: torch.full_like(prompt_len, self.sinks))

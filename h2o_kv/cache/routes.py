@@ -112,15 +112,17 @@ def steady_route(layer, query: torch.Tensor, buffered: bool, softcap: float | No
     with the attention through `attend`. Both kernels need a policy ranking by the undecayed score with the newest
     tokens kept (H2O, SnapKV, KVzip), and perhaps the first ones (`Sinks` around one)."""
     policy = layer.policy
+    if uses_native(layer.settings, query.device) and policy.decay == 1.0 and native_step_reads(layer, query):
+        backend = "native"
+    elif layer.head is None and triton_step(layer, query, buffered, softcap):
+        backend = "triton"
+    else:
+        return "eager", None, None  # asks the policy nothing: the eager step ranks by `priority`
     state = layer.slot_state(layer.next_pos, keys=False)
     recent = policy.protected_recent(state)
-    if recent is None:
+    if recent is None:  # a policy's own, whichever kernel
         return "eager", None, None
-    if uses_native(layer.settings, query.device) and policy.decay == 1.0 and native_step_reads(layer, query):
-        return "native", recent, policy.protected_sinks(state)
-    if layer.head is None and triton_step(layer, query, buffered, softcap):
-        return "triton", recent, policy.protected_sinks(state)
-    return "eager", None, None
+    return backend, recent, policy.protected_sinks(state)
 
 
 def native_step_reads(layer, query: torch.Tensor) -> bool:

@@ -131,7 +131,8 @@ def _merge(M, L, ACC, LOGITS, OUT, SCORE, LAST, POS, NEXT, RECENT, SINKS, CP, CP
            sob, soh, scb, sch, slb, slh, spb, sph,
            heads, slots, tiles,
            G: tl.constexpr, G_PAD: tl.constexpr, DV: tl.constexpr, NSPLIT: tl.constexpr, BLOCK: tl.constexpr,
-           WANT_SCORES: tl.constexpr, WANT_LAST: tl.constexpr, EVICT: tl.constexpr, HOLES: tl.constexpr):  # fmt: skip
+           WANT_SCORES: tl.constexpr, WANT_LAST: tl.constexpr, EVICT: tl.constexpr, HOLES: tl.constexpr,
+           HAS_SINKS: tl.constexpr):  # fmt: skip
     """One program per row and tile of BLOCK slots (many short programs: the merge is latency-bound). Each finds
     its row's log-sum-exp from the splits' partial sums; tile 0 also merges the output. With EVICT, the tile adds
     its probabilities to the scores in place and leaves its eviction candidate (the oldest of its lowest
@@ -169,7 +170,9 @@ def _merge(M, L, ACC, LOGITS, OUT, SCORE, LAST, POS, NEXT, RECENT, SINKS, CP, CP
             score = tl.load(SCORE + b * scb + h * sch + s, mask=inside, other=0.0) + col
             tl.store(SCORE + b * scb + h * sch + s, score, mask=inside)
             p = tl.load(POS + b * spb + h * sph + s, mask=inside, other=NEVER)
-            protected = (p >= tl.load(NEXT + b) - tl.load(RECENT + b)) | (p < tl.load(SINKS + b))
+            protected = p >= tl.load(NEXT + b) - tl.load(RECENT + b)
+            if HAS_SINKS:
+                protected = protected | (p < tl.load(SINKS + b))
             prio = tl.where(protected | ~inside | (p < 0), float("inf"), score)
             low, oldest, slot = _oldest_lowest(prio, p, s.to(tl.int64))
             if HOLES:  # a row within its capacity frees an empty slot instead (`_pick`)
@@ -329,7 +332,7 @@ def _decode_op(
     _merge[grid](*stats, out, scores, last, none, none, none, none, none, none, none, none, none,
                  out.stride(0), out.stride(1), scores.stride(0), scores.stride(1), last.stride(0), last.stride(1), 0, 0,
                  heads, slots, tiles, **meta, BLOCK=block, WANT_SCORES=want_scores, WANT_LAST=want_last, EVICT=False,
-                 HOLES=False, num_warps=4)  # fmt: skip
+                 HOLES=False, HAS_SINKS=False, num_warps=4)  # fmt: skip
     return out.view(batch, 1, q_heads, dv), scores, last
 
 
@@ -398,12 +401,13 @@ def decode_evict(
     cand = torch.empty(4 if holes else 2, batch * heads * tiles, dtype=torch.int64, device=q.device)
     cand_pos, cand_slot, count, empty = cand[0], cand[1], cand[-2], cand[-1]  # per tile; the last two with holes
     next_pos, recent = next_pos.reshape(batch).contiguous(), recent.expand(batch, 1, 1).reshape(batch).contiguous()
-    sinks = torch.zeros_like(recent) if sinks is None else sinks.expand(batch, 1, 1).reshape(batch).contiguous()
+    has_sinks = sinks is not None
+    sinks = sinks.expand(batch, 1, 1).reshape(batch).contiguous() if has_sinks else recent  # read only with sinks
     cap = capacity.reshape(batch).contiguous() if holes else next_pos
     _merge[grid](*stats, out, score, score, pos, next_pos, recent, sinks, cand_prio, cand_pos, cand_slot, count, empty,
                  out.stride(0), out.stride(1), score.stride(0), score.stride(1), 0, 0, pos.stride(0), pos.stride(1),
                  heads, slots, tiles, **meta, BLOCK=block, WANT_SCORES=False, WANT_LAST=False, EVICT=True,
-                 HOLES=holes, num_warps=4)  # fmt: skip
+                 HOLES=holes, HAS_SINKS=has_sinks, num_warps=4)  # fmt: skip
     _pick[(batch * heads,)](cand_prio, cand_pos, cand_slot, count, empty, cap, pos, score, vacant, pos.stride(0),
                             pos.stride(1), score.stride(0), score.stride(1), vacant.stride(0), vacant.stride(1), heads,
                             tiles, T_PAD=max(16, triton.next_power_of_2(tiles)), HOLES=holes, num_warps=1)  # fmt: skip

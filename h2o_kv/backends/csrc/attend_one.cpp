@@ -321,7 +321,7 @@ std::vector<at::Tensor> decode_step(const at::Tensor& q, const at::Tensor& keys,
   const float scale = static_cast<float>(scaling);
   const at::Tensor sc = slot.contiguous(), qposc = qpos.contiguous();
   const at::Tensor rc = recent.contiguous(), cc = capacity.contiguous();
-  const at::Tensor kc = sinks ? sinks->contiguous() : at::zeros({B}, recent.options());
+  const at::Tensor kc = sinks ? sinks->contiguous() : at::Tensor();
   const at::Tensor nk = new_keys.contiguous(), nv = new_values.contiguous();
   const at::Tensor nks = int8 ? new_key_scale->contiguous() : at::Tensor();
   const at::Tensor nvs = int8 ? new_value_scale->contiguous() : at::Tensor();
@@ -337,7 +337,7 @@ std::vector<at::Tensor> decode_step(const at::Tensor& q, const at::Tensor& keys,
   float* ksp = int8 ? key_scale->data_ptr<float>() : nullptr;
   float* vsp = int8 ? value_scale->data_ptr<float>() : nullptr;
   const int64_t *qposp = qposc.data_ptr<int64_t>(), *rp = rc.data_ptr<int64_t>(), *cp = cc.data_ptr<int64_t>();
-  const int64_t* sinkp = kc.data_ptr<int64_t>();
+  const int64_t* sinkp = sinks ? kc.data_ptr<int64_t>() : nullptr;  // none: no position below 0 to keep
   int64_t* vp = victims.data_ptr<int64_t>();
   const float cap = static_cast<float>(softcap);
   auto run = [&](auto* kp, auto* valp, const auto* nkp, const auto* nvp) {
@@ -368,7 +368,7 @@ std::vector<at::Tensor> decode_step(const at::Tensor& q, const at::Tensor& keys,
         const float empty = kept > cp[b] ? std::numeric_limits<float>::infinity()
                                          : -std::numeric_limits<float>::infinity();
         const int64_t newest = qposp[b] + 1 - rp[b];  // next_pos - recent: kept whatever their score
-        const int64_t first = sinkp[b];                // and the sinks, below it
+        const int64_t first = sinkp ? sinkp[b] : 0;    // and the sinks, below it
         int64_t victim = 0;
         float best = 0.f;
         for (int64_t s = 0; s < S; ++s) {  // the lowest priority, the oldest (then the first slot) among equals

@@ -359,8 +359,8 @@ std::vector<at::Tensor> pooled_decode_step(const at::Tensor& q, const at::Tensor
   const at::Tensor sc = slot.contiguous(), nk = new_keys.contiguous(), nv = new_values.contiguous();
   const at::Tensor qposc = qpos.contiguous(), rc = recent.contiguous();
   TORCH_CHECK(!sinks || (sinks->numel() == B && sinks->scalar_type() == at::kLong), "pooled_decode_step: B int64 sinks");
-  const at::Tensor kc = sinks ? sinks->contiguous() : at::zeros({B}, recent.options());
-  const int64_t* sinkp = kc.data_ptr<int64_t>();
+  const at::Tensor kc = sinks ? sinks->contiguous() : at::Tensor();
+  const int64_t* sinkp = sinks ? kc.data_ptr<int64_t>() : nullptr;  // none: no position below 0 to keep
   const int64_t* slots = sc.data_ptr<int64_t>();
   for (int64_t i = 0; i < B * heads; ++i) TORCH_CHECK(slots[i] >= 0 && slots[i] < S, "pooled_decode_step: a slot out of range");
   float* kp = keys.data_ptr<float>();
@@ -399,7 +399,7 @@ std::vector<at::Tensor> pooled_decode_step(const at::Tensor& q, const at::Tensor
         const int64_t at = b * S + s;
         scp[at] += added[at];
         if (lp) lp[at] = mean[at];
-        const bool kept_anyway = pp[at] < 0 || pp[at] >= newest || pp[at] < sinkp[b];
+        const bool kept_anyway = pp[at] < 0 || pp[at] >= newest || (sinkp && pp[at] < sinkp[b]);
         priority[s] = kept_anyway ? std::numeric_limits<float>::infinity() : scp[at];
       }
       tied[b] = row_lowest(priority.data(), S, heads, value.data(), index.data(), fp + b * heads);

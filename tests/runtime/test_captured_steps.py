@@ -1,6 +1,6 @@
 """`CapturedSteps` (captured.py): when a batch's decode step is recorded and when it is replayed, checked on a CPU
 with a stand-in for CUDA graphs (each replay runs the step again). The graphs themselves run on a GPU
-(the last test here, and results/gpu/check_issue51.py)."""
+(the last test here, and compare/gpu/check_issue51.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The GPU study: h2o-kv's decode and prefill on one GPU against transformers' caches, in one command.
 
-    python -m h2o_kv.studies.bench.gpu --out DIR            # on a CUDA machine (results/gpu/gpu_check.sh runs it)
+    python -m h2o_kv.studies.bench.gpu --out DIR            # on a CUDA machine (compare/gpu/gpu_check.sh runs it)
     python -m h2o_kv.studies.bench.gpu --dry-run --out DIR  # tiny shapes on a CPU, Triton interpreted
 
 Models have the named shapes and random weights (a step's time does not depend on the weights' values):

@@ -1,6 +1,6 @@
 """Tile sizes for the Triton kernels on this GPU, then the study's cells that depend on them, in one command.
 
-    python -m h2o_kv.studies.bench.gpu_tune --out DIR   # results/gpu/gpu_tune.sh runs it on a lent GPU
+    python -m h2o_kv.studies.bench.gpu_tune --out DIR   # compare/gpu/gpu_tune.sh runs it on a lent GPU
 
 Times `decode_attend` (Llama-3-8B's and SmolLM2's decode shapes at 20 % of their contexts) and `key_scores`
 (Llama-3-8B's prompt at 32,768 tokens) over a grid of tiles, warps, pipeline stages and programs per

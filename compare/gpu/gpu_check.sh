@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One lent-GPU session's checks, run by the device tool from the repository root: `bash results/gpu/gpu_check.sh`.
+# One lent-GPU session's checks, run by the device tool from the repository root: `bash compare/gpu/gpu_check.sh`.
 # 1. the GPU study (h2o_kv/studies/bench/gpu.py): SmolLM2-135M's shapes at 4k x 4, then Llama-3-8B's at 32k x 8, random
 #    weights, bfloat16: StaticCache eager and compiled, DynamicCache, H2O / SnapKV / int8 eager and replayed from
 #    a CUDA graph, the same-memory batch, prefill with exact scores against SDPA;

@@ -1,7 +1,7 @@
 """Issue 51's GPU checks in one command: mixed budgets on `decode_evict`, rows in place, captured steps per bucket.
 
-    python results/gpu/check_issue51.py --out DIR            # on a CUDA machine (check_issue51.sh runs it)
-    python results/gpu/check_issue51.py --dry-run --out DIR  # tiny shapes on a CPU, Triton interpreted
+    python compare/gpu/check_issue51.py --out DIR            # on a CUDA machine (check_issue51.sh runs it)
+    python compare/gpu/check_issue51.py --dry-run --out DIR  # tiny shapes on a CPU, Triton interpreted
 
 Random-weight Llama-shaped models (a step's time does not depend on the weights' values), so any GPU runs it
 offline. Cells, each a JSON line in DIR/issue51.jsonl:

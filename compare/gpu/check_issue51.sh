@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 51's checks on a lent GPU, run by the device tool from the repository root: `bash results/gpu/check_issue51.sh`.
-# 1. results/gpu/check_issue51.py: the engine with rows in place and captured steps against eager runs (the same
+# Issue 51's checks on a lent GPU, run by the device tool from the repository root: `bash compare/gpu/check_issue51.sh`.
+# 1. compare/gpu/check_issue51.py: the engine with rows in place and captured steps against eager runs (the same
 #    tokens), `decode_evict` with a capacity per row (counted), ms per steady step: torch fallback / kernel / graph;
 # 2. the Triton kernels' tests with mixed budgets and the steady steps (tests/backends/test_triton_budgets.py,
 #    test_triton.py) on the GPU.
@@ -17,7 +17,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
   python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
   git log -1 --format='%h %s' 2>/dev/null; git status --short 2>/dev/null | head -20
 } 2>&1 | tee "$OUT/machine.txt"
-timeout ${CHECK_TIMEOUT:-300} python3 results/gpu/check_issue51.py --out "$OUT" 2>"$OUT/check.log" | cut -c1-600
+timeout ${CHECK_TIMEOUT:-300} python3 compare/gpu/check_issue51.py --out "$OUT" 2>"$OUT/check.log" | cut -c1-600
 if [ "${TESTS:-1}" = 1 ]; then
   timeout ${TEST_TIMEOUT:-150} python3 -m pytest -v -p no:cacheprovider -rf -n 8 --tb=short --maxfail=8 \
     tests/backends/test_triton_budgets.py tests/runtime/test_captured_steps.py \

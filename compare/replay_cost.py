@@ -1,5 +1,7 @@
 """What a shared prefill's replay costs per (policy, fraction), alone and sharing its attention with the replays
 before it (`h2o_kv.studies.eval.shared.SharedAttention`): one recorded prefill of a random prompt, one torch thread.
+Then KVzip (`--kvzip`, default kvzip,kvzipwhole): its own pass (`h2o_kv.compress`) per (policy, fraction) against the
+pass recorded once (`record_pass`) and replayed into each cache (`replay_pass`).
 
     OMP_NUM_THREADS=1 .venv/bin/python compare/replay_cost.py --model qwen2.5-coder-0.5b --tokens 4096
 """
@@ -11,9 +13,10 @@ import time
 
 import torch
 
+from h2o_kv.runtime.compress import compress
 from h2o_kv.runtime.models import load_model
 from h2o_kv.studies.eval.decoding import new_cache
-from h2o_kv.studies.eval.shared import SharedAttention, record_prefill, replay
+from h2o_kv.studies.eval.shared import SharedAttention, record_pass, record_prefill, replay, replay_pass
 from h2o_kv.studies.report import commit
 
 
@@ -23,9 +26,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--policies", default="snapkv,h2o,tova,adakv,keydiff,streamingllm")
     parser.add_argument("--fractions", default="0.25,0.1")
+    parser.add_argument("--kvzip", default="kvzip,kvzipwhole", help="KVzip's policies (empty: none)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    model = load_model(args.model)[0]
+    model, tokenizer = load_model(args.model)[:2]
     ids = torch.randint(100, 20000, (args.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     start = time.perf_counter()
     _, calls = record_prefill(model, ids)
@@ -41,6 +45,21 @@ def main() -> None:
             replay(new_cache(policy, fraction, args.tokens), calls, shared)
             print(f"{policy} {fraction:g}: alone {alone:.1f} s, sharing {time.perf_counter() - start:.1f} s")
     print(f"attention calls computed while sharing: {shared.computed}")
+    if not args.kvzip:
+        return
+    start = time.perf_counter()
+    passed = record_pass(model, ids, tokenizer)
+    print(f"KVzip's pass recorded once: {time.perf_counter() - start:.1f} s")
+    for policy in args.kvzip.split(","):
+        for fraction in map(float, args.fractions.split(",")):
+            start = time.perf_counter()
+            cache = new_cache(policy, fraction, args.tokens)
+            with torch.no_grad():
+                compress(model, torch.tensor([ids]), cache=cache, tokenizer=tokenizer)
+            alone = time.perf_counter() - start
+            start = time.perf_counter()
+            replay_pass(new_cache(policy, fraction, args.tokens), passed)
+            print(f"{policy} {fraction:g}: its own pass {alone:.1f} s, replayed {time.perf_counter() - start:.1f} s")
 
 
 if __name__ == "__main__":

@@ -162,9 +162,9 @@ def test_both_settings_answer_as_direct_calls_would(tokenizer, one_thread) -> No
 
 
 def test_a_policy_with_its_own_pass_reads_the_context_itself(tokenizer, one_thread, monkeypatch) -> None:
-    """KVzip cannot take the recorded calls (it ranks by repeating the context): the shared path runs h2o_kv.compress
-    on the context instead, then the question, as a direct run does; it is just another entry of the study, and
-    alone it costs no recorded prefill."""
+    """KVzip cannot take the recorded prefill (it ranks by repeating the context): the shared path records its pass
+    (h2o_kv.compress, once per prompt) and answers the question as a direct run does; it is just another entry of the
+    study, and alone it costs no recorded prefill."""
     compress = pytest.importorskip("h2o_kv.runtime.compress").compress
     model = tiny_model(tokenizer, context=2048)
     model.generation_config.eos_token_id = None

@@ -6,11 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h2o_kv.runtime.generation import forward, greedy_ids
+from h2o_kv.runtime.generation import forward, greedy_continue, greedy_ids
 from h2o_kv.studies.eval.decoding import new_cache
-from h2o_kv.studies.eval.shared import SharedAttention, record_prefill, replay, shared_greedy
+from h2o_kv.studies.eval.shared import (
+    SharedAttention,
+    record_pass,
+    record_prefill,
+    replay,
+    replay_pass,
+    shared_greedy,
+)
 
-from conftest import make_model, random_ids
+from conftest import make_model, make_tokenizer, random_ids
 from helpers import kept_positions
 
 CONFIGS = [("full", None), ("h2o", 9), ("h2o", 0.2), ("snapkv", 8), ("adakv", 8), ("pyramidkv", 8), ("tova", 7),
@@ -40,6 +47,29 @@ def test_replayed_cache_equals_a_direct_prefill(llama, policy, budget) -> None:
             torch.testing.assert_close(a.score, b.score, rtol=1e-5, atol=1e-6)
     if budget is not None:  # the budget was applied: fewer tokens than the prompt's in every layer
         assert replayed.kept_tokens < 40
+
+
+@pytest.mark.parametrize(("policy", "budgets"), [("kvzip", (40, 12, 0.25)), ("kvzipwhole", (12, 5))])
+def test_kvzip_pass_recorded_once_leaves_each_cache_as_its_own_pass(llama, policy, budgets) -> None:
+    """KVzip's pass recorded once (`record_pass`) and replayed into caches of other budgets and allocations (per
+    head, whole cache) leaves each as `h2o_kv.compress` on it does: the same kept positions, keys, values and
+    reconstruction scores, bit for bit, and the same capacities (whole cache: each layer's share). At 40 nothing is
+    evicted, so every context token's score is compared."""
+    from h2o_kv.runtime.compress import compress
+
+    tokenizer = make_tokenizer()
+    ids = random_ids(1, 40, seed=5)
+    calls = record_pass(llama, ids[0].tolist(), tokenizer, chunk=16)
+    assert all(len(layer) == len(calls[0]) == 4 for layer in calls)  # the held call, then 3 reconstruction calls
+    for budget in budgets:
+        direct = compress(llama, ids, cache=new_cache(policy, budget, 40), tokenizer=tokenizer, chunk=16)
+        replayed = replay_pass(new_cache(policy, budget, 40), calls)
+        assert replayed.kept_tokens == direct.kept_tokens <= 40 * len(direct.layers)
+        for a, b in zip(direct.layers, replayed.layers, strict=True):
+            assert kept_positions(a) == kept_positions(b)
+            for name in ("pos", "keys", "values", "score", "capacity", "head"):
+                x, y = getattr(a, name), getattr(b, name)
+                assert (x is None and y is None) or torch.equal(x, y), (policy, budget, name)
 
 
 def test_replays_sharing_their_attention_leave_each_cache_as_a_replay_alone(llama) -> None:
@@ -76,6 +106,22 @@ def test_shared_answers_equal_each_policy_run_alone(llama) -> None:
     full = {"full": makers[("full", None)]}
     stopped = shared_greedy(llama, prompt, full, max_new_tokens=10, done=lambda t: len(t) >= 3)
     assert stopped["full"][0] == shared[("full", None)][0][:3]
+
+
+def test_kvzip_query_aware_answers_as_its_own_pass(llama) -> None:
+    """Query-aware (the question inside the prompt): KVzip's recorded pass covers the prompt but its last token,
+    which then comes as the next call for the first logits, as `compress` on the rest and that call give; per head and
+    whole cache, from one recording."""
+    from h2o_kv.runtime.compress import compress
+
+    tokenizer = make_tokenizer()
+    prompt = random_ids(1, 41, seed=6)[0].tolist()
+    makers = {p: (lambda p=p: new_cache(p, 10, 40)) for p in ("kvzip", "kvzipwhole")}
+    shared = shared_greedy(llama, prompt, makers, max_new_tokens=8, tokenizer=tokenizer)
+    for policy in makers:
+        alone = compress(llama, torch.tensor([prompt[:-1]]), cache=makers[policy](), tokenizer=tokenizer)
+        logits = forward(llama, alone, torch.tensor([prompt[-1:]]), positions=torch.tensor([[40]]))
+        assert shared[policy][0] == greedy_continue(llama, alone, logits, 41, 8), policy
 
 
 def test_int8_storage_is_refused(llama) -> None:

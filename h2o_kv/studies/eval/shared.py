@@ -18,9 +18,12 @@ policy only through what it asks (every query's attention, an observation window
 budget, so each distinct request is computed once per prompt and the other (policy, fraction) pairs reuse it; a
 replay that asks for no scores (StreamingLLM, KeyDiff, Full) attends not at all, since its output is dropped.
 
-A cache that cannot take the recorded calls reads the prompt itself (`_own_prefill`): int8 storage (its attention
-runs on rounded keys) and a policy that ranks the context by a pass of its own (``policy.reconstructs``: KVzip,
-through `h2o_kv.compress`), so any policy `policies.build` knows is one more entry of a study.
+KVzip's pass (``policy.reconstructs``, `h2o_kv.compress`) is recorded once per prompt too: during the pass nothing is
+evicted, so its held call and its reconstruction calls see the same context whatever the budget or the allocation
+(per head, or `whole_cache`); `record_pass` runs it once on a cache that keeps every token, and `replay_pass` feeds
+those calls into each KVzip cache inside its own pass, which scores and ranks as `compress` would. A cache that
+cannot take recorded calls reads the prompt itself (`_own_prefill`): int8 storage (its attention runs on rounded
+keys), so any policy `policies.build` knows is one more entry of a study.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from h2o_kv.cache.attention import hand_off, mark_forward
 from h2o_kv.cache.kvcache import KVCache
 from h2o_kv.cache.layer import KVLayer
 from h2o_kv.cache.routes import Call, Slots, attend
-from h2o_kv.policies import Full
+from h2o_kv.policies import Full, KVzip, Policy
 from h2o_kv.runtime.generation import forward, greedy_continue
 
 
@@ -50,8 +53,8 @@ class _RecordingLayer(KVLayer):
 
 
 class _Recording(KVCache):
-    def __init__(self) -> None:
-        super().__init__(Full())
+    def __init__(self, policy: Policy | None = None) -> None:
+        super().__init__(policy or Full())
         self.calls: list[list] = []
 
     def _new_layer(self) -> KVLayer:
@@ -68,6 +71,32 @@ def record_prefill(model: Any, prompt_ids: Sequence[int]) -> tuple[torch.Tensor,
     with torch.no_grad():
         logits = forward(model, recording, ids)
     return logits, recording.calls
+
+
+def record_pass(model: Any, prompt_ids: Sequence[int], tokenizer: Any, *, chunk: int | None = None) -> list[list]:
+    """KVzip's pass over one prompt (batch 1), run once by `h2o_kv.compress` on a cache that keeps every token: each
+    layer's attention calls, the held context's first, then one per reconstruction call (`replay_pass` feeds them).
+    `chunk`: context tokens per reconstruction call (`compress`'s default without one)."""
+    from h2o_kv.runtime.compress import CHUNK, compress
+
+    recording = _Recording(KVzip(budget=max(2, len(prompt_ids))))
+    with torch.no_grad():
+        ids = torch.tensor([list(prompt_ids)], device=model.device)
+        compress(model, ids, cache=recording, tokenizer=tokenizer, chunk=chunk or CHUNK)
+    return recording.calls
+
+
+def replay_pass(cache: KVCache, calls: list[list]) -> KVCache:
+    """KVzip's pass in `cache` (an empty cache of a policy that `reconstructs`) from `record_pass`'s calls: the held
+    call, then each reconstruction call as a scoring call; leaving the pass ranks, then the prompt ends, as
+    `h2o_kv.compress` leaves it. The outputs are dropped; returns `cache`."""
+    with cache.reconstruction() as rec:
+        replay(cache, calls, only=range(1))
+        for call in range(1, len(calls[0])):
+            with rec.scoring():
+                replay(cache, calls, only=range(call, call + 1))
+    cache.end_prompt()
+    return cache
 
 
 class SharedAttention:
@@ -96,12 +125,15 @@ class SharedAttention:
         return None, *(None if t is None else t.clone() for t in self.done[key])  # a layer may add to them in place
 
 
-def replay(cache: KVCache, calls: list[list], shared: SharedAttention | None = None) -> KVCache:
+def replay(
+    cache: KVCache, calls: list[list], shared: SharedAttention | None = None, *, only: range | None = None
+) -> KVCache:
     """Feed the recorded attention calls of every layer into `cache`, as the model would have; returns it.
 
     The attention outputs are dropped (they equal the recorded run's); what remains is the cache's state. Each call's
     options are the ones the model passed (its config among them, for a per-layer policy's budget). `shared`: the
-    replays of this recording so far, whose scores this one reuses (a fresh one by default).
+    replays of this recording so far, whose scores this one reuses (a fresh one by default). `only`: the calls fed
+    (all by default).
     An int8 cache is refused: its prefill attends over its rounded keys, so later layers see other inputs.
     """
     if cache.settings.kv_dtype is not None:
@@ -109,7 +141,7 @@ def replay(cache: KVCache, calls: list[list], shared: SharedAttention | None = N
     cache.settings.attention = SharedAttention() if shared is None else shared
     try:
         with torch.no_grad():
-            for call in range(len(calls[0])):
+            for call in range(len(calls[0])) if only is None else only:
                 for layer_idx, layer_calls in enumerate(calls):
                     keys, values, query, mask, options = layer_calls[call]
                     if layer_idx == 0:
@@ -161,7 +193,8 @@ def shared_answers(
     from the cache itself). An empty question answers from the prompt's own last logits (query-aware). `done`: one
     stopping test per question (or None). The prefill is recorded at the first cache that replays it, so caches that
     all read the prompt themselves cost no recording."""
-    recorded, shared = None, SharedAttention()
+    recorded, passed, shared = None, None, SharedAttention()
+    logits_needed = not all(questions)  # query-aware: a pass reads the prompt but its last token (`_own_prefill`)
     n, last = len(prompt_ids), len(questions) - 1
     stops = [None] * len(questions) if done is None else list(done)
     answers = {}
@@ -172,8 +205,13 @@ def shared_answers(
                 recorded = recorded or record_prefill(model, prompt_ids)
                 first = recorded[0]
                 replay(cache, recorded[1], shared)
+            elif cache.settings.kv_dtype is None:  # KVzip: its pass recorded once (query-aware: but the last token)
+                body = prompt_ids[:-1] if logits_needed else prompt_ids
+                passed = passed or record_pass(model, body, _tokenizer_for(cache, tokenizer))
+                replay_pass(cache, passed)
+                first = _last_token(model, cache, prompt_ids) if logits_needed else None
             else:
-                first = _own_prefill(model, cache, prompt_ids, tokenizer, logits_needed=not all(questions))
+                first = _own_prefill(model, cache, prompt_ids, tokenizer, logits_needed=logits_needed)
             kv_bytes = cache.kept_nbytes()
             outs = []
             for i, (question, stop) in enumerate(zip(questions, stops, strict=True)):
@@ -188,6 +226,12 @@ def shared_answers(
     return answers
 
 
+def _tokenizer_for(cache: KVCache, tokenizer: Any) -> Any:
+    if tokenizer is None:
+        raise ValueError(f"{cache.settings.policy.describe()} repeats the context: the shared prefill needs tokenizer=")
+    return tokenizer
+
+
 def _reconstructs(cache: KVCache) -> bool:
     return bool(getattr(cache.settings.policy, "reconstructs", False))
 
@@ -200,11 +244,15 @@ def _own_prefill(model: Any, cache: KVCache, ids: Sequence[int], tokenizer: Any,
         return forward(model, cache, tensor)
     from h2o_kv.runtime.compress import compress
 
-    if tokenizer is None:
-        raise ValueError(f"{cache.settings.policy.describe()} repeats the context: the shared prefill needs tokenizer=")
+    tokenizer = _tokenizer_for(cache, tokenizer)
     if not logits_needed:
         compress(model, tensor, cache=cache, tokenizer=tokenizer)
         return None
     compress(model, tensor[:, :-1], cache=cache, tokenizer=tokenizer)
+    return _last_token(model, cache, ids)
+
+
+def _last_token(model: Any, cache: KVCache, ids: Sequence[int]) -> torch.Tensor:
+    """The prompt's last token as the call after a pass over the others: the next token's logits [1, V]."""
     last = torch.tensor([[len(ids) - 1]], device=model.device)
-    return forward(model, cache, tensor[:, -1:], positions=last)
+    return forward(model, cache, torch.tensor([[ids[-1]]], device=model.device), positions=last)

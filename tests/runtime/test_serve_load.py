@@ -191,6 +191,31 @@ def test_sigterm_ends_the_server_process_without_a_traceback(model, tokenizer, t
     assert lines[-1] == "data: [DONE]"
 
 
+@pytest.mark.slow
+def test_a_study_stopped_by_sigterm_stops_the_server_it_started(model, tokenizer, tmp_path) -> None:
+    """`launch_server`'s block ends on a SIGTERM to its process, so the server it started goes too (Python's default
+    SIGTERM would end the study at once and leave the server running, holding its port)."""
+    model.save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    script = (
+        "import time\nfrom h2o_kv.runtime.serve.launch import launch_server\n"
+        f"with launch_server({str(tmp_path / 'tiny')!r}, kv_memory=None, max_batch=2, prefill_chunk=16) as url:\n"
+        "    print(url, flush=True)\n    time.sleep(120)\n"
+    )
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        url = proc.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:"), url
+        assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/v1/models", timeout=5)
+
+
 def test_kv_memory_sizes_and_serve_flags() -> None:
     from h2o_kv.cli import build_parser
     from h2o_kv.runtime.serve.main import engine_settings

@@ -39,7 +39,33 @@ def launch_server(
     model: str, *, kv_memory: str | None, max_batch: int, prefill_chunk: int, kv_dtype: str | None = None,
     start_timeout: float = 600.0, extra: tuple[str, ...] = (),
 ) -> Iterator[str]:  # fmt: skip
-    """Run `h2o-kv serve` until the block ends (then SIGTERM); yields its base URL."""
+    """Run `h2o-kv serve` until the block ends (then SIGTERM); yields its base URL. A SIGTERM to this process ends
+    the block too (`_sigterm_unwinds`), so a study stopped by its PID stops the server it started."""
+    with _sigterm_unwinds():
+        yield from _serve(model, kv_memory=kv_memory, max_batch=max_batch, prefill_chunk=prefill_chunk,
+                          kv_dtype=kv_dtype, start_timeout=start_timeout, extra=extra)  # fmt: skip
+
+
+@contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """Inside the block, SIGTERM raises SystemExit(143) in the main thread (Python's default ends the process at once,
+    running no `finally`), unless the process has a handler of its own or this is another thread."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def unwind(signum, frame) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _serve(model: str, *, kv_memory: str | None, max_batch: int, prefill_chunk: int, kv_dtype: str | None,
+           start_timeout: float, extra: tuple[str, ...]) -> Iterator[str]:  # fmt: skip
     cmd = [sys.executable, "-m", "h2o_kv.cli", "serve", "--model", model, "--port", "0", "--log-level", "info",
            "--max-batch", str(max_batch), "--prefill-chunk", str(prefill_chunk), *extra]  # fmt: skip
     if kv_memory is not None:

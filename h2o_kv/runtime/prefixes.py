@@ -8,9 +8,11 @@ tokens. The reused cache is exactly the one cache that was fed the first prompt,
 its capacity is the kept cache's (a fraction budget stays sized by the first prompt), as one cache fed the same calls
 in one run would have it. With `Full()` that is a fresh prefill's cache.
 
-The store holds at most `budget` bytes (`KVCache.nbytes()` of its caches), least recently used out first; the
-scheduler also drops kept caches whenever running requests need the room (`evict`), so kept bytes never make a
-request wait. Everything here runs on the engine's thread, under its step lock.
+The store holds at most `budget` bytes (`KVCache.nbytes()` of its caches), least recently used out first, except
+that a cache kept for a request still waiting for admission is not dropped to keep another (a conversation's next
+turn queued behind long prefills would otherwise find its prefix gone); the scheduler also drops kept caches, those
+too, whenever running requests need the room (`evict`), so kept bytes never make a request wait. Everything here
+runs on the engine's thread, under its step lock.
 
 For the cluster's router (`runtime/cluster/affinity.py`) the store also publishes `kept`: the (length, fingerprint)
 of each kept sequence, most recently used first, as one immutable tuple replaced after every change, so another
@@ -80,18 +82,22 @@ class PrefixStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, policy: Policy, ids: list[int], cache: KVCache) -> None:
+    def put(self, policy: Policy, ids: list[int], cache: KVCache, wanted: frozenset[Key] = frozenset()) -> None:
         """Keep `cache`, which has seen exactly `ids` under `policy` (the store owns it now); the least recently used
-        go while the store is over its budget. A cache larger than the whole budget is not kept."""
+        go while the store is over its budget, but not those in `wanted` (the kept sequences waiting requests will
+        start from: `wanted_by`). A cache that would not fit otherwise is not kept."""
         if cache.seen_tokens != len(ids):
             raise ValueError(f"the cache has seen {cache.seen_tokens} tokens, not the {len(ids)} it is kept under")
         key = (policy, tuple(ids))
         self._remove(key)
         size = cache.nbytes()
-        if size > self.budget:
+        if size > self.budget:  # nothing is dropped for it
             self._publish()
             return
-        self.evict(self.budget - size)
+        self.evict(self.budget - size, spare=wanted)
+        if self.held + size > self.budget:  # only wanted caches were left to drop
+            self._publish()
+            return
         self._entries[key] = (cache, size, fingerprint(ids))
         self.held += size
         self.peak = max(self.peak, self.held)
@@ -100,15 +106,22 @@ class PrefixStore:
     def longest(self, policy: Policy, ids: list[int]) -> Key | None:
         """The key of the longest kept sequence under `policy` that is a proper prefix of `ids` (None: none is),
         marked as just used."""
-        ids = tuple(ids)
+        best = self._longest(policy, tuple(ids))
+        if best is not None:
+            self._entries.move_to_end(best)
+        return best
+
+    def wanted_by(self, prompts) -> frozenset[Key]:
+        """The kept sequences that the (policy, prompt ids) of `prompts` would start from (their use unmarked)."""
+        return frozenset(key for policy, ids in prompts if (key := self._longest(policy, tuple(ids))) is not None)
+
+    def _longest(self, policy: Policy, ids: tuple[int, ...]) -> Key | None:
         best = None
         for key in self._entries:
             mine, seen = key
             if mine == policy and len(seen) < len(ids) and (best is None or len(seen) > len(best[1])):
                 if ids[: len(seen)] == seen:
                     best = key
-        if best is not None:
-            self._entries.move_to_end(best)
         return best
 
     def checkout(self, policy: Policy, ids: list[int], room: int | None = None) -> tuple[int, KVCache] | None:
@@ -124,11 +137,12 @@ class PrefixStore:
         self.tokens_reused += len(key[1])
         return len(key[1]), self._entries[key][0].fork()
 
-    def evict(self, limit: int) -> None:
-        """Drop the least recently used kept caches until at most `limit` bytes are held."""
+    def evict(self, limit: int, spare: frozenset[Key] = frozenset()) -> None:
+        """Drop the least recently used kept caches until at most `limit` bytes are held, none of `spare`."""
         dropped = self.dropped
-        while self._entries and self.held > limit:
-            key = next(iter(self._entries))
+        for key in [key for key in self._entries if key not in spare]:
+            if self.held <= limit:
+                break
             self._remove(key)
             self.dropped += 1
         if self.dropped != dropped:

@@ -111,8 +111,10 @@ class Scheduler:
         if self.prefixes is None or request.finish_reason not in ("stop", "length"):
             return
         seen = request.prompt_ids + request.token_ids[:-1]
+        waiting = tuple(self.waiting)  # one copy in C: `submit` may append meanwhile (it holds only the queue's lock)
+        wanted = self.prefixes.wanted_by((r.policy, r.prompt_ids) for r in waiting)  # none dropped for this one
         try:
-            self.prefixes.put(request.policy, seen, cache if row is None else cache.fork([row]))
+            self.prefixes.put(request.policy, seen, cache if row is None else cache.fork([row]), wanted)
         except (torch.OutOfMemoryError, MemoryError):  # no room for the copy: a later prefill, not a failed engine
             log.warning("%s: its cache was not kept for reuse: out of memory for the copy", request.id)
 

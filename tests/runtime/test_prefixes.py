@@ -141,6 +141,27 @@ def test_least_recently_used_go_first_and_the_budget_is_never_exceeded():
     assert stats["prefix_dropped"] >= 2 and 0 < stats["prefix_bytes_peak"] <= one * 5 // 2
 
 
+def test_a_prefix_a_waiting_request_wants_is_not_dropped_to_keep_another():
+    """A conversation's next turn queued behind other work keeps its prefix: keeping a finished request's cache drops
+    the least recently used kept cache that no waiting request would start from; when every other is wanted, the new
+    cache is not kept. The store never holds more than its budget."""
+    policy = h2o_kv.H2O(budget=12)
+    probe = engine()
+    ask(probe, ids(30, seed=1), policy=policy)
+    one = probe.stats()["prefix_bytes_held"]
+    for room, expected in ((one * 5 // 2, 2), (one * 3 // 2, 1)):  # two kept caches fit / one fits
+        run = engine(room, max_batch=1)
+        a = ask(run, ids(30, seed=1), policy=policy)
+        if expected == 2:
+            ask(run, ids(30, seed=2), policy=policy)  # kept after a: a is the least recently used
+        c = run.submit(ids(30, seed=6), max_tokens=ANSWER, ignore_eos=True, policy=policy)
+        a2 = run.submit(a.prompt_ids + a.token_ids + ids(5, seed=3), max_tokens=ANSWER, ignore_eos=True, policy=policy)
+        while run.step():
+            assert run.stats()["prefix_bytes_held"] <= room
+        assert c.result().completion_tokens == ANSWER and a2.reused_tokens == 30 + ANSWER - 1, room
+        assert run.stats()["prefix_entries"] == expected  # a2 kept; beside it b dropped for c (two fit), or c not kept
+
+
 def test_kept_caches_make_room_for_running_requests_within_kv_memory():
     policy, big = h2o_kv.Full(), ids(120, seed=7)
     limit = 2 * engine().kv_bytes_for(len(big), ANSWER, policy)  # the big prompt going in plus its batch row
@@ -182,6 +203,12 @@ def test_a_store_keeps_nothing_larger_than_its_budget():
     run = engine(100)
     ask(run, ids(30, seed=1), policy="full")
     assert run.stats()["prefix_entries"] == 0 and run.stats()["prefix_bytes_held"] == 0
+    small = engine()
+    ask(small, ids(30, seed=1), policy="h2o", budget=12)
+    run = engine(small.stats()["prefix_bytes_held"] * 3 // 2)
+    ask(run, ids(30, seed=1), policy="h2o", budget=12)
+    ask(run, ids(60, seed=2), policy="full")  # larger than the whole budget: not kept, and nothing dropped for it
+    assert run.stats()["prefix_entries"] == 1 and run.stats()["prefix_dropped"] == 0
     with pytest.raises(ValueError, match="budget"):
         PrefixStore(0)
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
+from collections.abc import Callable
 from itertools import islice
 
 from h2o_kv.cache.kvcache import KVCache
@@ -82,10 +83,12 @@ class PrefixStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, policy: Policy, ids: list[int], cache: KVCache, wanted: frozenset[Key] = frozenset()) -> None:
+    def put(self, policy: Policy, ids: list[int], cache: KVCache,
+            wanted: Callable[[], frozenset[Key]] = frozenset) -> None:  # fmt: skip
         """Keep `cache`, which has seen exactly `ids` under `policy` (the store owns it now); the least recently used
-        go while the store is over its budget, but not those in `wanted` (the kept sequences waiting requests will
-        start from: `wanted_by`). A cache that would not fit otherwise is not kept."""
+        go while the store is over its budget, but not those `wanted()` gives (the kept sequences waiting requests
+        will start from: `wanted_by`; asked only when something must go). A cache that would not fit otherwise is
+        not kept."""
         if cache.seen_tokens != len(ids):
             raise ValueError(f"the cache has seen {cache.seen_tokens} tokens, not the {len(ids)} it is kept under")
         key = (policy, tuple(ids))
@@ -94,7 +97,8 @@ class PrefixStore:
         if size > self.budget:  # nothing is dropped for it
             self._publish()
             return
-        self.evict(self.budget - size, spare=wanted)
+        if self.held + size > self.budget:
+            self.evict(self.budget - size, spare=wanted())
         if self.held + size > self.budget:  # only wanted caches were left to drop
             self._publish()
             return

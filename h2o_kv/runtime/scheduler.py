@@ -112,7 +112,10 @@ class Scheduler:
             return
         seen = request.prompt_ids + request.token_ids[:-1]
         waiting = tuple(self.waiting)  # one copy in C: `submit` may append meanwhile (it holds only the queue's lock)
-        wanted = self.prefixes.wanted_by((r.policy, r.prompt_ids) for r in waiting)  # none dropped for this one
+
+        def wanted() -> frozenset:  # what waiting requests will start from: none dropped for this one (if any must go)
+            return self.prefixes.wanted_by((r.policy, r.prompt_ids) for r in waiting)
+
         try:
             self.prefixes.put(request.policy, seen, cache if row is None else cache.fork([row]), wanted)
         except (torch.OutOfMemoryError, MemoryError):  # no room for the copy: a later prefill, not a failed engine

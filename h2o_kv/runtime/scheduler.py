@@ -111,9 +111,9 @@ class Scheduler:
         if self.prefixes is None or request.finish_reason not in ("stop", "length"):
             return
         seen = request.prompt_ids + request.token_ids[:-1]
-        waiting = tuple(self.waiting)  # one copy in C: `submit` may append meanwhile (it holds only the queue's lock)
 
         def wanted() -> frozenset:  # what waiting requests will start from: none dropped for this one (if any must go)
+            waiting = tuple(self.waiting)  # one copy in C: `submit` may append meanwhile (it holds only the queue lock)
             return self.prefixes.wanted_by((r.policy, r.prompt_ids) for r in waiting)
 
         try:

@@ -8,6 +8,10 @@ import os
 # (tests/backends/test_triton.py). Only h2o-kv's Triton kernels are affected (torch.compile on a CPU emits C++).
 if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Under pytest-xdist the workers share the cores: each worker (and each process a test starts) gets its share of
+# OpenMP threads, since two busy processes each running a thread per core slow each other many times over.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT") and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

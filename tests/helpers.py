@@ -27,6 +27,34 @@ SCHEDULES = {
 }
 
 
+# policies beyond the paper's H2O, as (policy, reference rule, capacity, the reference's params)
+BEYOND = {
+    "snapkv": (h2o_kv.SnapKV(budget=6, window=4, pool=3), "snapkv", 6, {"recent": 3, "observe": 4, "pool": 3}),
+    "snapkv_wide_window": (h2o_kv.SnapKV(budget=6, window=2, pool=5), "snapkv", 6,
+                           {"recent": 2, "observe": 2, "pool": 5}),
+    "snapkv_shared": (h2o_kv.SnapKV(budget=6, window=4, pool=3, shared=True), "snapkv", 6,
+                      {"recent": 3, "observe": 4, "pool": 3, "shared": True}),
+    "h2o_decay": (h2o_kv.H2O(heavy=3, recent=2, decay=0.8), "h2o", 5, {"recent": 2, "decay": 0.8}),
+    "h2o_normalize": (h2o_kv.H2O(heavy=3, recent=2, normalize=True), "h2o", 5, {"recent": 2, "normalize": True}),
+    "sinks_h2o": (h2o_kv.Sinks(h2o_kv.H2O(heavy=3, recent=2), sinks=2), "h2o", 5, {"recent": 2, "protect": 2}),
+    "sinks_tova": (h2o_kv.Sinks(h2o_kv.TOVA(budget=4), sinks=1), "tova", 4, {"protect": 1}),
+    "sinks_snapkv": (h2o_kv.Sinks(h2o_kv.SnapKV(budget=6, window=4, pool=3), sinks=1), "snapkv", 6,
+                     {"recent": 3, "observe": 4, "pool": 3, "protect": 1}),
+    "adakv_snapkv": (h2o_kv.AdaKV(h2o_kv.SnapKV(budget=6, window=4, pool=3)), "snapkv", 6,
+                     {"recent": 3, "observe": 4, "pool": 3, "pooled": True}),
+    "adakv_h2o": (h2o_kv.AdaKV(h2o_kv.H2O(heavy=3, recent=2)), "h2o", 5, {"recent": 2, "pooled": True}),
+    "adakv_tova": (h2o_kv.AdaKV(h2o_kv.TOVA(budget=4)), "tova", 4, {"pooled": True}),
+    "adakv_sinks_h2o": (h2o_kv.AdaKV(h2o_kv.Sinks(h2o_kv.H2O(heavy=3, recent=2), sinks=2)), "h2o", 5,
+                        {"recent": 2, "protect": 2, "pooled": True}),
+}  # fmt: skip
+BEYOND_SCHEDULES = {
+    "token_by_token": [1] * 16,
+    "one_call": [16],
+    "mixed": [7, 1, 1, 5, 1, 1],
+    "prompt_then_decode": [12, 1, 1, 1, 1],
+}
+
+
 def causal_mask(real: torch.Tensor) -> torch.Tensor:
     """[B, 1, n, n] boolean mask as transformers builds it for the new tokens of one call."""
     n = real.shape[1]

@@ -34,15 +34,17 @@ TILES = {"cuda": dict(block=128, num_warps=4, num_stages=3, per_sm=4, merge_bloc
 
 
 @triton.jit
-def _partial(Q, K, V, KS, VS, POS, LOGITS, M, L, ACC, NK, NV, VAC, NPOS, NKS, NVS,
-             sqb, sqh, skb, skh, sks, svb, svh, svs, ssb, ssh, spb, sph, snkb, snkh, snvb, snvh, sacb, sach,
+def _partial(Q, K, V, KS, VS, POS, SH, LOGITS, M, L, ACC, NK, NV, VAC, NPOS, NKS, NVS,
+             sqb, sqh, skb, skh, sks, svb, svh, svs, ssb, ssh, spb, sph, shb, snkb, snkh, snvb, snvh, sacb, sach,
              heads, slots, split_size, scaling,
-             G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, NSPLIT: tl.constexpr,
-             BLOCK: tl.constexpr, HAS_POS: tl.constexpr, INT8: tl.constexpr, IEEE: tl.constexpr,
-             WRITE: tl.constexpr):  # fmt: skip
+             G: tl.constexpr, G_PAD: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+             NSPLIT: tl.constexpr, BLOCK: tl.constexpr, HAS_POS: tl.constexpr, POOLED: tl.constexpr,
+             INT8: tl.constexpr, IEEE: tl.constexpr, WRITE: tl.constexpr):  # fmt: skip
     """One split of a row's slots: running max, sum and weighted values, and the scaled logits. With WRITE, the new
     token (key NK, value NV, position NPOS; int8 with scales NKS, NVS [B * H]) goes into the row's vacant slot VAC:
-    the split holding that slot stores it, and every tile reads it in place of what the slot held."""
+    the split holding that slot stores it, and every tile reads it in place of what the slot held. POOLED: the
+    row is a head-pooled one (H = 1, every query head of the sequence reads it), and query head g sees only the
+    slots whose KV head SH [B, S] is g // GROUP."""
     bh = tl.program_id(0)
     b, h = bh // heads, bh % heads
     start = tl.program_id(1) * split_size
@@ -88,7 +90,11 @@ def _partial(Q, K, V, KS, VS, POS, LOGITS, M, L, ACC, NK, NV, VAC, NPOS, NKS, NV
             if WRITE:  # the vacant slot holds the new token
                 held = held | (s == vac)
             valid = valid & held
-        logit = tl.where(valid[None, :], logit, float("-inf"))
+        seen = valid[None, :]
+        if POOLED:  # each query head's own KV head's slots
+            slot_head = tl.load(SH + b * shb + s, mask=inside, other=-1).to(tl.int32)
+            seen = seen & (slot_head[None, :] == (g // GROUP)[:, None])
+        logit = tl.where(seen, logit, float("-inf"))
         tl.store(LOGITS + ((bh * G + g) * slots)[:, None] + s[None, :], logit, mask=grows[:, None] & inside[None, :])
         m_new = tl.maximum(m, tl.max(logit, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -130,14 +136,15 @@ def _oldest_lowest(prio, pos, slot):
 def _merge(M, L, ACC, LOGITS, OUT, SCORE, LAST, POS, NEXT, RECENT, SINKS, CP, CPOS, CSLOT, CCOUNT, CEMPTY,
            sob, soh, scb, sch, slb, slh, spb, sph,
            heads, slots, tiles,
-           G: tl.constexpr, G_PAD: tl.constexpr, DV: tl.constexpr, NSPLIT: tl.constexpr, BLOCK: tl.constexpr,
-           WANT_SCORES: tl.constexpr, WANT_LAST: tl.constexpr, EVICT: tl.constexpr, HOLES: tl.constexpr,
-           HAS_SINKS: tl.constexpr):  # fmt: skip
+           G: tl.constexpr, G_PAD: tl.constexpr, GROUP: tl.constexpr, DV: tl.constexpr, NSPLIT: tl.constexpr,
+           BLOCK: tl.constexpr, WANT_SCORES: tl.constexpr, WANT_LAST: tl.constexpr, EVICT: tl.constexpr,
+           HOLES: tl.constexpr, HAS_SINKS: tl.constexpr):  # fmt: skip
     """One program per row and tile of BLOCK slots (many short programs: the merge is latency-bound). Each finds
     its row's log-sum-exp from the splits' partial sums; tile 0 also merges the output. With EVICT, the tile adds
     its probabilities to the scores in place and leaves its eviction candidate (the oldest of its lowest
     priorities: the score, +inf for the protected newest positions, the sinks and, with HOLES, empty slots) for `_pick`;
-    with HOLES also its count of kept tokens (CCOUNT) and its first empty slot (CEMPTY)."""
+    with HOLES also its count of kept tokens (CCOUNT) and its first empty slot (CEMPTY). LAST is a slot's probability
+    averaged over the GROUP query heads that see it."""
     bh = tl.program_id(0)
     b, h, tile = bh // heads, bh % heads, tl.program_id(1)
     g = tl.arange(0, G_PAD)
@@ -186,7 +193,7 @@ def _merge(M, L, ACC, LOGITS, OUT, SCORE, LAST, POS, NEXT, RECENT, SINKS, CP, CP
             if WANT_SCORES:
                 tl.store(SCORE + b * scb + h * sch + s, col, mask=inside)
             if WANT_LAST:
-                tl.store(LAST + b * slb + h * slh + s, col / G, mask=inside)
+                tl.store(LAST + b * slb + h * slh + s, col / GROUP, mask=inside)
 
 
 @triton.jit
@@ -245,14 +252,18 @@ def decode_attend(
     value_scale: torch.Tensor | None = None,
     want_scores: bool = False,
     want_last: bool = False,
+    slot_head: torch.Tensor | None = None,
+    kv_heads: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Attention of q [B, Hq, 1, D] over keys/values [B, H, S, D] (`pos` [B, H, S], -1 = empty slot; None: every
     slot holds a token). Returns the output [B, 1, Hq, Dv] in q's dtype, the probabilities summed over each KV
     group [B, H, S] float32 and their mean over the group (TOVA's `last`), each None unless asked for. int8
-    keys/values come with their per-slot scales [B, H, S]. A torch custom op: `torch.compile` keeps it whole,
-    and a CUDA graph captures its two launches."""
+    keys/values come with their per-slot scales [B, H, S]. A head-pooled row (pooled.py: H = 1) comes with each
+    slot's KV head `slot_head` [B, 1, S] (int8) and the number of real KV heads `kv_heads`: query head i sees the
+    slots of KV head i // (Hq / kv_heads), so a slot's summed probability is its own group's, and `last` the mean
+    over that group. A torch custom op: `torch.compile` keeps it whole, and a CUDA graph captures its two launches."""
     out, scores, last = torch.ops.h2o_kv.triton_decode(
-        q, keys, values, pos, key_scale, value_scale, float(scaling), want_scores, want_last
+        q, keys, values, pos, key_scale, value_scale, slot_head, kv_heads, float(scaling), want_scores, want_last
     )
     return out, scores if want_scores else None, last if want_last else None
 
@@ -261,14 +272,16 @@ def _tiles(device: torch.device) -> dict:
     return TILES["cuda" if device.type == "cuda" else "cpu"]
 
 
-def _partials(q, keys, values, pos, key_scale, value_scale, scaling, write=None):
+def _partials(q, keys, values, pos, key_scale, value_scale, scaling, write=None, slot_head=None, kv_heads=1):
     """The first kernel's launch: per split, the running max, sum and weighted values, and every scaled logit.
     `write` = (new keys [B, H, 1, D], new values, vacant slots [B, H, 1], positions [B], the new int8 keys' and
     values' scales [B * H] or None, the layer's `pos`): the new token's write into the vacant slots, fused (`pos`, the
-    mask, is None where every slot holds a token, else the layer's `pos`)."""
+    mask, is None where every slot holds a token, else the layer's `pos`). `slot_head` [B, 1, S]: a head-pooled row's
+    KV head per slot, of `kv_heads` (`decode_attend`)."""
     batch, q_heads, _, dim = q.shape
     heads, slots, dv = keys.shape[1], keys.shape[2], values.shape[-1]
     group = q_heads // heads
+    seen_by = group // kv_heads if slot_head is not None else group  # the query heads that see a slot
     g_pad = max(16, 1 << (group - 1).bit_length())
     nsplit = splits(batch * heads, slots, q.device)
     tiles = _tiles(q.device)
@@ -291,15 +304,16 @@ def _partials(q, keys, values, pos, key_scale, value_scale, scaling, write=None)
         nks, nvs = (m, m) if nks is None else (nks, nvs)
         wstr = (nk.stride(0), nk.stride(1), nv.stride(0), nv.stride(1), vac.stride(0), vac.stride(1))
     pstr = (p.stride(0), p.stride(1)) if p is not m else (0, 0)
+    sh = slot_head if slot_head is not None else m
     _partial[(batch * heads, nsplit)](
-        q2, keys, values, ks, vs, p, logits, m, total, acc, nk, nv, vac, npos, nks, nvs,
+        q2, keys, values, ks, vs, p, sh, logits, m, total, acc, nk, nv, vac, npos, nks, nvs,
         q2.stride(0), q2.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
-        values.stride(0), values.stride(1), values.stride(2), *sstr, *pstr, *wstr,
-        heads, slots, split_size, scaling, G=group, G_PAD=g_pad, D=dim, DV=dv, NSPLIT=nsplit,
-        BLOCK=block, HAS_POS=pos is not None, INT8=int8, IEEE=q.dtype == torch.float32, WRITE=write is not None,
-        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
+        values.stride(0), values.stride(1), values.stride(2), *sstr, *pstr, sh.stride(0) if sh is not m else 0, *wstr,
+        heads, slots, split_size, scaling, G=group, G_PAD=g_pad, GROUP=seen_by, D=dim, DV=dv, NSPLIT=nsplit,
+        BLOCK=block, HAS_POS=pos is not None, POOLED=slot_head is not None, INT8=int8, IEEE=q.dtype == torch.float32,
+        WRITE=write is not None, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
     )  # fmt: skip
-    return (m, total, acc, logits), dict(G=group, G_PAD=g_pad, DV=dv, NSPLIT=nsplit)
+    return (m, total, acc, logits), dict(G=group, G_PAD=g_pad, GROUP=seen_by, DV=dv, NSPLIT=nsplit)
 
 
 def _merge_grid(batch: int, heads: int, slots: int, device: torch.device) -> tuple[int, int, int]:
@@ -316,13 +330,18 @@ def _decode_op(
     pos: torch.Tensor | None,
     key_scale: torch.Tensor | None,
     value_scale: torch.Tensor | None,
+    slot_head: torch.Tensor | None,
+    kv_heads: int,
     scaling: float,
     want_scores: bool,
     want_last: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     batch, q_heads = q.shape[:2]
     heads, slots, dv = keys.shape[1], keys.shape[2], values.shape[-1]
-    stats, meta = _partials(q, keys, values, pos, key_scale, value_scale, scaling)
+    if slot_head is not None and (heads != 1 or q_heads % kv_heads or slot_head.stride(-1) != 1):
+        raise ValueError("a head-pooled row is one storage row (H = 1), slot_head contiguous, Hq kv_heads' multiple")
+    stats, meta = _partials(q, keys, values, pos, key_scale, value_scale, scaling, slot_head=slot_head,
+                            kv_heads=kv_heads)  # fmt: skip
     out = torch.empty(batch, q_heads, dv, dtype=q.dtype, device=q.device)
     f32 = dict(dtype=torch.float32, device=q.device)
     scores = torch.empty(batch, heads, slots if want_scores else 0, **f32)
@@ -337,7 +356,7 @@ def _decode_op(
 
 
 @_decode_op.register_fake
-def _(q, keys, values, pos, key_scale, value_scale, scaling, want_scores, want_last):
+def _(q, keys, values, pos, key_scale, value_scale, slot_head, kv_heads, scaling, want_scores, want_last):
     batch, q_heads = q.shape[:2]
     heads, slots = keys.shape[1], keys.shape[2]
     out = q.new_empty(batch, 1, q_heads, values.shape[-1])

@@ -80,12 +80,15 @@ def native_products(dtype: torch.dtype) -> bool:
 
 # -- a decode step: one query per sequence that sees every kept token ------------------------------------------
 def triton_one(q: torch.Tensor, kv: Slots, qpos: torch.Tensor, call: Call):
-    """Output and per-slot probabilities in one pass over the keys and values (backends/triton_decode.py)."""
+    """Output and per-slot probabilities in one pass over the keys and values (backends/triton_decode.py); a
+    head-pooled row's query heads each see their own KV head's slots."""
     from h2o_kv.backends import triton_decode  # Triton is not a dependency of the core
 
+    pooled = kv.slot_head is not None
     return triton_decode.decode_attend(q, kv.keys, kv.values, kv.pos, scaling=call.scaling, key_scale=kv.key_scale,
                                        value_scale=kv.value_scale, want_scores=call.want_scores,
-                                       want_last=call.want_last)  # fmt: skip
+                                       want_last=call.want_last, slot_head=kv.slot_head,
+                                       kv_heads=kv.query_head.shape[0] if pooled else 1)  # fmt: skip
 
 
 def native_one(q: torch.Tensor, kv: Slots, qpos: torch.Tensor, call: Call):

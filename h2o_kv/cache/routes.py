@@ -5,7 +5,8 @@
 `backends.use_triton` says (a GPU), h2o-kv's C++ kernels on a CPU where the cache has them (`uses_native`), torch
 everywhere else. A call's route, the first that applies:
 
-    one query that sees every kept token (a decode step)  triton_one, native_one, native_pooled_one, torch_one
+    one query that sees every kept token (a decode step)  triton_one (a head-pooled row too), native_one,
+                                                          native_pooled_one, torch_one
     new tokens in order after old slots without holes      prompt_scores (Triton), attend_prompt (SDPA)
     a float32 prompt or chunk on a CPU, no window/softcap  native_prompt (C++)
     anything else                                          blocked (torch)
@@ -50,9 +51,9 @@ def choose(q: torch.Tensor, kv: Slots, call: Call, native_kernels: bool):
     """The route for this call, queries q in the products' dtype (the table above). A prompt's in-order shortcut
     checks the old slots for holes: a host sync."""
     n, new_from, window, softcap = q.shape[2], call.new_from, call.window, call.softcap
-    triton = softcap is None and kv.slot_head is None and use_triton(q.device)
+    triton = softcap is None and use_triton(q.device)
     if n == 1 and window is None and not call.has_padding:
-        if triton:
+        if triton:  # a head-pooled row too
             from h2o_kv.backends import triton_decode  # Triton is not a dependency of the core
 
             if triton_decode.supported(q, kv.keys, kv.values):

@@ -10,33 +10,10 @@ import h2o_kv
 from h2o_kv.policies import AdaKV, Sinks, SnapKV, build
 
 from conftest import make_model, random_ids
+from helpers import BEYOND as POLICIES
+from helpers import BEYOND_SCHEDULES as SCHEDULES
 from helpers import kept_positions, random_qkv, run_layer
 from reference import reference_layer
-
-POLICIES = {
-    "snapkv": (SnapKV(budget=6, window=4, pool=3), "snapkv", 6, {"recent": 3, "observe": 4, "pool": 3}),
-    "snapkv_wide_window": (SnapKV(budget=6, window=2, pool=5), "snapkv", 6, {"recent": 2, "observe": 2, "pool": 5}),
-    "snapkv_shared": (SnapKV(budget=6, window=4, pool=3, shared=True), "snapkv", 6,
-                      {"recent": 3, "observe": 4, "pool": 3, "shared": True}),
-    "h2o_decay": (h2o_kv.H2O(heavy=3, recent=2, decay=0.8), "h2o", 5, {"recent": 2, "decay": 0.8}),
-    "h2o_normalize": (h2o_kv.H2O(heavy=3, recent=2, normalize=True), "h2o", 5, {"recent": 2, "normalize": True}),
-    "sinks_h2o": (Sinks(h2o_kv.H2O(heavy=3, recent=2), sinks=2), "h2o", 5, {"recent": 2, "protect": 2}),
-    "sinks_tova": (Sinks(h2o_kv.TOVA(budget=4), sinks=1), "tova", 4, {"protect": 1}),
-    "sinks_snapkv": (Sinks(SnapKV(budget=6, window=4, pool=3), sinks=1), "snapkv", 6,
-                     {"recent": 3, "observe": 4, "pool": 3, "protect": 1}),
-    "adakv_snapkv": (AdaKV(SnapKV(budget=6, window=4, pool=3)), "snapkv", 6,
-                     {"recent": 3, "observe": 4, "pool": 3, "pooled": True}),
-    "adakv_h2o": (AdaKV(h2o_kv.H2O(heavy=3, recent=2)), "h2o", 5, {"recent": 2, "pooled": True}),
-    "adakv_tova": (AdaKV(h2o_kv.TOVA(budget=4)), "tova", 4, {"pooled": True}),
-    "adakv_sinks_h2o": (AdaKV(Sinks(h2o_kv.H2O(heavy=3, recent=2), sinks=2)), "h2o", 5,
-                        {"recent": 2, "protect": 2, "pooled": True}),
-}  # fmt: skip
-SCHEDULES = {
-    "token_by_token": [1] * 16,
-    "one_call": [16],
-    "mixed": [7, 1, 1, 5, 1, 1],
-    "prompt_then_decode": [12, 1, 1, 1, 1],
-}
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))

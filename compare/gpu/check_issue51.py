@@ -6,11 +6,12 @@
 Random-weight Llama-shaped models (a step's time does not depend on the weights' values), so any GPU runs it
 offline. Cells, each a JSON line in DIR/issue51.jsonl:
 
-- `engine`: one workload (prompts of different lengths, fraction budgets: every row its own capacity) through the
-  engine three ways: rows packed and eager (what a CPU runs), rows in place eager, rows in place with captured
-  steps. In place, the batch's steady steps must run on `decode_evict` with a capacity per row (counted), and the
-  captured run must give the in-place eager run's tokens exactly (a replay runs the same kernels); the packed run's
-  tokens are compared as a fraction (other shapes, other matmul kernels). float32 and int8 KV.
+- `engine`: one workload (prompts of different lengths, fraction budgets: every row its own capacity; H2O, SnapKV
+  and AdaKV requests, AdaKV's a head-pooled group on the pooled Triton attention) through the engine three ways:
+  rows packed and eager (what a CPU runs), rows in place eager, rows in place with captured steps. In place, the
+  batch's steady steps must run on `decode_evict` with a capacity per row (counted), and the captured run must
+  give the in-place eager run's tokens exactly (a replay runs the same kernels); the packed run's tokens are
+  compared as a fraction (other shapes, other matmul kernels). float32 and int8 KV.
 - `step`: one batch of 8 prompts of different lengths (capacities 20 % of each) brought to its steady state, then
   ms per decode step: eager torch fallback (the route before issue 51: `decode_evict` only for packed layers),
   eager on `decode_evict` with per-row capacities, and that step replayed from a CUDA graph
@@ -52,17 +53,17 @@ def word_tokenizer(vocab: int):
 
 
 def count_kernel_steps():
-    """Wrap `triton_decode.decode_evict` to count its calls with a capacity per row; returns (counter, undo)."""
-    from h2o_kv.backends import triton_decode
+    """Wrap `triton_evict.decode_evict` to count its calls with a capacity per row; returns (counter, undo)."""
+    from h2o_kv.backends import triton_evict
 
-    kernel, counts = triton_decode.decode_evict, {"ragged": 0, "packed": 0}
+    kernel, counts = triton_evict.decode_evict, {"ragged": 0, "packed": 0}
 
     def counted(*args, **kwargs):
         counts["packed" if kwargs.get("capacity") is None else "ragged"] += 1
         return kernel(*args, **kwargs)
 
-    triton_decode.decode_evict = counted
-    return counts, lambda: setattr(triton_decode, "decode_evict", kernel)
+    triton_evict.decode_evict = counted
+    return counts, lambda: setattr(triton_evict, "decode_evict", kernel)
 
 
 def engine_cell(model, device, kv_dtype, dry: bool) -> dict:
@@ -74,7 +75,7 @@ def engine_cell(model, device, kv_dtype, dry: bool) -> dict:
     gen = torch.Generator().manual_seed(5)
     lengths = [24 + 9 * i for i in range(10)] if dry else [200 + 137 * i for i in range(12)]
     work = [(torch.randint(3, model.config.vocab_size, (n,), generator=gen).tolist(), 6 + 5 * (i % 4),
-             ("h2o", "snapkv")[i % 3 == 2]) for i, n in enumerate(lengths)]  # fmt: skip
+             ("h2o", "snapkv", "adakv")[i % 3]) for i, n in enumerate(lengths)]  # fmt: skip
     out = {}
     for name, in_place, captured in (("packed", False, False), ("in_place", True, False), ("captured", True, True)):
         engine = Engine(model, tokenizer, max_batch=8, prefill_chunk=64 if dry else 512, budget=0.2,

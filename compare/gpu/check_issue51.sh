@@ -20,7 +20,8 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 timeout ${CHECK_TIMEOUT:-300} python3 compare/gpu/check_issue51.py --out "$OUT" 2>"$OUT/check.log" | cut -c1-600
 if [ "${TESTS:-1}" = 1 ]; then
   timeout ${TEST_TIMEOUT:-150} python3 -m pytest -v -p no:cacheprovider -rf -n 8 --tb=short --maxfail=8 \
-    tests/backends/test_triton_budgets.py tests/runtime/test_captured_steps.py \
+    tests/backends/test_triton_budgets.py tests/runtime/test_captured_steps.py tests/backends/test_triton_pooled.py \
+    tests/cache/test_pooled_steady.py \
     "tests/backends/test_triton.py::test_decode_evict_matches_the_torch_step" \
     "tests/backends/test_triton.py::test_decode_kernel_matches_literal_attention" \
     2>&1 | tee "$OUT/pytest.txt" | grep -E "FAILED|ERROR|[0-9]+ (passed|failed)"

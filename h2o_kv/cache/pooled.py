@@ -17,11 +17,12 @@ The price against `KVLayer`: the eager attention computes the logits for every (
 heads times the products of a uniform layer (the slots are still read once), with each KV head's mask
 added inside the product (`attend.pooled_bias`); a decode step on a CPU runs h2o-kv's C++ kernel instead
 (`native.pooled_attend_one`: each query head against its own head's slots only, the row read once in
-slot order). A decode step's eviction takes the `heads + 1` lowest priorities of the row (topk, or on a
-CPU one C++ pass, `native.lowest_slots`) instead of one minimum per head, and the next step writes into
-the slots it freed (`vacant`). Once every row frees exactly `heads` slots a step (a full cache), decoding
-takes the steady path (`_decode_full`, as `KVLayer`'s): the new token's slots are the ones freed, and no
-count or empty-slot search is needed.
+slot order). A decode step's eviction takes the `heads` lowest priorities of the row in the exact order
+(`lowest_in_order`: three topks, no host sync; on a CPU one C++ pass, `native.lowest_slots`) instead of one
+minimum per head, and the next step writes into the slots it freed (`vacant`). Once every row frees exactly
+`heads` slots a step (a full cache), decoding takes the steady path (`_decode_full`, as `KVLayer`'s): the new
+token's slots are the ones freed, no count or empty-slot search is needed, and in torch's operations (a GPU's,
+with the Triton attention) the step can be captured or compiled whole (`KVLayer.steady`).
 """
 
 from __future__ import annotations
@@ -200,28 +201,42 @@ class PooledKVLayer(KVLayer):
     def _evict_row(self, valid: torch.Tensor | None, state: SlotState) -> bool:
         """Every row holds exactly `heads` tokens over its capacity: free its `heads` lowest priorities (the
         next step writes there: `vacant`). `valid` None: every slot holds a token. Returns False, freeing
-        nothing, when the `heads`-th and the next lowest tie (only the exact order says which goes)."""
+        nothing, when C++'s pass finds the `heads`-th and the next lowest tied (only the exact order says which
+        goes); torch's operations follow the exact order (`lowest_in_order`), and keep the freed slots in the layer's
+        one buffer (`_kept_slots`), as a captured step needs."""
         priority = self.policy.priority(state)
         if valid is not None:
             priority = torch.where(valid, priority, float("inf"))
         if native_lowest(self.settings, priority):
-            slots, tied = native.lowest_slots(priority, self.spare)  # one pass for the four ops below
-        else:
-            lowest = torch.topk(priority, self.spare + 1, dim=-1, largest=False)
-            tied = bool((lowest.values[..., -2] == lowest.values[..., -1]).any())  # a sync
-            slots = lowest.indices[..., : self.spare].sort(dim=-1).values  # so a token's heads go in head order
-        if tied:
-            return False
+            slots, tied = native.lowest_slots(priority, self.spare)  # one pass for topk, sort and compare
+            if tied:
+                return False
+        else:  # in torch, the exact order itself: no host sync, so a captured or compiled step can hold it
+            slots = self._kept_slots(lowest_in_order(priority, self.pos, self.head, self.spare))
         for name, empty in (("pos", -1), ("score", 0.0), ("last", 0.0)):
             if getattr(self, name) is not None:
                 getattr(self, name).scatter_(2, slots, empty)
-        self._leave_vacant(slots)
+        self._leave_vacant(slots, buffered=slots is self.vacant_buffer)
         return True
 
     def kept(self) -> torch.Tensor:
         """Tokens kept per (sequence, real KV head), [B, heads]."""
         counts = torch.zeros(self.pos.shape[0], self.kv_heads, dtype=torch.int64, device=self.device)
         return counts.scatter_add_(1, self.head[:, 0].long(), (self.pos[:, 0] >= 0).long())
+
+
+def lowest_in_order(priority: torch.Tensor, pos: torch.Tensor, head: torch.Tensor, count: int) -> torch.Tensor:
+    """The first `count` slots of each row [B, 1, S] in eviction order across a pooled row's heads (the lowest
+    priority, then the oldest position, then the lowest head: docs/eviction.md), [B, 1, count] in slot order, with
+    no host sync: every slot below the count-th lowest priority goes, and the slots at it fill the rest oldest first."""
+    bound = torch.topk(priority, count, dim=-1, largest=False).values[..., -1:]
+    below = priority < bound
+    age = torch.where(priority == bound, pos * 128 + head.long(), torch.iinfo(torch.int64).max)  # heads < 128
+    at_bound = torch.topk(age, count, dim=-1, largest=False).indices  # oldest first
+    fill = torch.arange(count, device=pos.device) < count - below.sum(-1, keepdim=True)
+    chosen = below | torch.zeros_like(below).scatter_(-1, at_bound, fill)
+    index = torch.arange(priority.shape[-1], device=pos.device)
+    return torch.topk(torch.where(chosen, index, index + priority.shape[-1]), count, dim=-1, largest=False).values
 
 
 def first_free(pos: torch.Tensor, count: int) -> torch.Tensor:

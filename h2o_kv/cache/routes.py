@@ -109,7 +109,7 @@ def widens(query: torch.Tensor, keys: torch.Tensor, quantized: bool, native_rows
 def steady_route(layer, query: torch.Tensor, buffered: bool, softcap: float | None):
     """Which backend runs a full layer's steady decode step (steady.py), and the policy's `protected_recent` and
     `protected_sinks` it ranks by: "native", one C++ pass per row (`native.decode_step`; `pooled_decode_step` for a
-    head-pooled row); "triton", `triton_decode.decode_evict` (`triton_step`); "eager" (None, None), torch's operations
+    head-pooled row); "triton", `triton_evict.decode_evict` (`triton_step`); "eager" (None, None), torch's operations
     with the attention through `attend`. Both kernels need a policy ranking by the undecayed score with the newest
     tokens kept (H2O, SnapKV, KVzip), and perhaps the first ones (`Sinks` around one)."""
     policy = layer.policy
@@ -135,7 +135,7 @@ def native_step_reads(layer, query: torch.Tensor) -> bool:
 
 
 def triton_step(layer, query: torch.Tensor, buffered: bool, softcap: float | None) -> bool:
-    """Whether `triton_decode.decode_evict` can run this step: the Triton kernels on this device, no softcap, every
+    """Whether `triton_evict.decode_evict` can run this step: the Triton kernels on this device, no softcap, every
     slot holding a token (`packed`) or rows of different capacities (`ragged`: the kernel masks the empty slots), the
     new token's slots being the layer's vacant buffer (`buffered`), no `last` and undecayed scores, and shapes the
     kernel takes."""

@@ -7,7 +7,7 @@ chunk or a growing storage needs (`_decode_full`). On a CPU with h2o-kv's C++ ke
 priority is its score with the newest tokens kept (`Policy.protected_recent`: H2O, SnapKV), the whole step
 is one C++ pass per row (`native.decode_step`): the same operations in the same order, without a kernel
 launch, a temporary tensor or a Python call per operation. Where the Triton kernels run (a GPU), the same
-policies' step is `triton_decode.decode_evict`: the new token's write, attention, scores and each row's eviction in
+policies' step is `triton_evict.decode_evict`: the new token's write, attention, scores and each row's eviction in
 three launches, over a layer whose every slot holds a token (`packed`) or whose rows have capacities of their own
 (`ragged`: a served batch of prompts of different lengths). Which of the three runs is `routes.steady_route`'s choice.
 `pooled.PooledKVLayer` has its own `_decode_full` for a head-pooled row and shares `_attend_steady`.
@@ -25,7 +25,9 @@ from h2o_kv.cache.settings import capturing
 from h2o_kv.policies import SlotState
 
 # what a steady step reads and writes in place, at the same addresses from step to step
-STEADY_FIELDS = ("keys", "values", "pos", "score", "last", "key_scale", "value_scale", "next_pos", "vacant_buffer")
+# what a steady step reads and writes (`head`: a head-pooled row's slot tags, pooled.py)
+STEADY_FIELDS = ("keys", "values", "pos", "score", "last", "key_scale", "value_scale", "next_pos", "vacant_buffer",
+                 "head")  # fmt: skip
 
 
 class Steady:
@@ -45,12 +47,12 @@ class Steady:
 
     def steady(self) -> bool:
         """Whether this layer's next decode step is the fixed-shape one a CUDA graph or a compiled step can replay:
-        a drop-mode row per KV head, prompt seen, no call in flight, every slot full (`packed`) or rows of different
-        capacities (`ragged`), one slot left by the last step (`vacant`), and scores that do not decay."""
+        a drop-mode row per KV head (or a head-pooled row, pooled.py), prompt seen, no call in flight, every slot
+        full (`packed`) or rows of different capacities (`ragged`), the slots left by the last step (`vacant`), and
+        scores that do not decay."""
         return (
             self.is_initialized
             and self.settings.mode == "drop"
-            and self.head is None
             and self.pending is None
             and self.prompt_len is not None
             and self._full()
@@ -123,9 +125,9 @@ class Steady:
     def _decode_triton(self, query: torch.Tensor, recent: torch.Tensor, sinks: torch.Tensor | None,
                        keys: torch.Tensor, values: torch.Tensor, qpos: torch.Tensor, *, scaling: float):  # fmt: skip
         """Write the new token (keys, values [B, H, 1, D] at positions qpos [B, 1]) into the vacant buffer's slots,
-        attend, add the scores and free each row's victim there (`triton_decode.decode_evict`). int8 storage gets
+        attend, add the scores and free each row's victim there (`triton_evict.decode_evict`). int8 storage gets
         the token quantized as `_write` quantizes it; a `ragged` layer's rows each keep their own capacity."""
-        from h2o_kv.backends import triton_decode
+        from h2o_kv.backends import triton_evict
 
         scales = {}
         if self.key_scale is not None:
@@ -135,11 +137,11 @@ class Steady:
                 (keys, key_scale), (values, value_scale) = quantize(keys), quantize(values)
             scales = dict(new_key_scale=key_scale, new_value_scale=value_scale)
         q = query.to(compute_dtype(query.dtype, query.device))
-        out = triton_decode.decode_evict(q, self.keys, self.values, self.pos, self.score, self.vacant_buffer,
-                                         self.next_pos, recent, scaling=scaling, key_scale=self.key_scale,
-                                         value_scale=self.value_scale, new_key=keys, new_value=values,
-                                         new_pos=qpos, **scales, sinks=sinks,
-                                         capacity=None if self.packed else self.capacity)  # fmt: skip
+        out = triton_evict.decode_evict(q, self.keys, self.values, self.pos, self.score, self.vacant_buffer,
+                                        self.next_pos, recent, scaling=scaling, key_scale=self.key_scale,
+                                        value_scale=self.value_scale, new_key=keys, new_value=values,
+                                        new_pos=qpos, **scales, sinks=sinks,
+                                        capacity=None if self.packed else self.capacity)  # fmt: skip
         self._leave_vacant(self.vacant_buffer, buffered=True)
         return out.to(query.dtype)
 

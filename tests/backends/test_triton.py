@@ -82,7 +82,7 @@ def test_decode_evict_matches_the_torch_step(device, storage, recent, ties, sink
     protected when `recent` exceeds the row; `sinks`: positions below them protected too) freed, its slot in the
     vacant buffer. "-write": the new token given to
     the kernel, which writes it into the vacant slots (empty, score 0) the reference writes it into first."""
-    from h2o_kv.backends.triton_decode import decode_evict
+    from h2o_kv.backends.triton_evict import decode_evict
 
     write = storage.endswith("-write")
     storage = storage.removesuffix("-write")
@@ -228,12 +228,12 @@ def test_steady_steps_on_the_triton_kernels_equal_the_torch_steps(monkeypatch, k
     and the kept positions."""
     if not interpreted():
         pytest.skip("CPU tensors reach the Triton kernels only under the interpreter (test_cuda.py covers CUDA)")
-    from h2o_kv.backends import triton_decode
+    from h2o_kv.backends import triton_evict
 
     model = make_model("llama")
     ids = random_ids(2, 12)
     runs, evicts = [], []
-    monkeypatch.setattr(triton_decode, "decode_evict", lambda *a, f=triton_decode.decode_evict, **k:
+    monkeypatch.setattr(triton_evict, "decode_evict", lambda *a, f=triton_evict.decode_evict, **k:
                         evicts.append(k.get("sinks")) or f(*a, **k))  # fmt: skip
     for triton in ("0", "1"):
         evicts.clear()
@@ -260,7 +260,7 @@ def test_steady_steps_on_the_triton_kernels_equal_the_torch_steps(monkeypatch, k
 def test_compiled_decode_step_equals_eager(monkeypatch, triton, eager_steps):
     """torch.compile(fullgraph=True) over whole decode steps, from right after the prompt (the storage grows once,
     then every step is steady) or after eager steps that leave the layers packed (on the Triton kernels the steady
-    step is then `triton_decode.decode_evict`): the eager logits and kept tokens, step after step."""
+    step is then `triton_evict.decode_evict`): the eager logits and kept tokens, step after step."""
     monkeypatch.setenv("H2O_KV_TRITON", triton)
     model = make_model("llama")
     ids = random_ids(2, 12)

@@ -1,4 +1,4 @@
-"""`triton_decode.decode_evict` over rows of different budgets (a served batch: each prompt's fraction budget is its
+"""`triton_evict.decode_evict` over rows of different budgets (a served batch: each prompt's fraction budget is its
 row's capacity), and int8 storage written by the kernel: the same results as the torch step (`Steady`).
 
 On a CPU the kernels run under Triton's interpreter at tiny shapes (conftest sets TRITON_INTERPRET=1).
@@ -43,7 +43,7 @@ def test_decode_evict_with_a_capacity_per_row(device, storage, write, recent):
     one without any empty slot; `recent` 200 protects every token (a row over capacity then frees an empty slot,
     as the torch step does). Output, scores, positions and victims match literal attention and the torch eviction;
     with `write` the kernel stores the new token (int8: its values and scales) into the vacant slots."""
-    from h2o_kv.backends.triton_decode import decode_evict
+    from h2o_kv.backends.triton_evict import decode_evict
 
     gen = torch.Generator().manual_seed(recent + write)
     batch, heads, group, slots, dim = 3, 2, 2, 45, 16
@@ -104,14 +104,12 @@ def test_a_batch_of_different_budgets_steps_on_the_kernel(monkeypatch, kv_dtype)
     """Two prompts of different lengths with a fraction budget (capacities 6 and 10) in one batch, as the engine
     joins them: once full, every step is `decode_evict` with a capacity per row (the layers `ragged`, and `steady`:
     a captured step can replay them), and the logits and kept tokens equal the torch steps'."""
-    from h2o_kv.backends import triton_decode
+    from h2o_kv.backends import triton_evict
 
     if not interpreted():
         pytest.skip("CPU tensors reach the Triton kernels only under the interpreter (test_cuda.py covers CUDA)")
-    kernel, calls = triton_decode.decode_evict, []
-    monkeypatch.setattr(
-        triton_decode, "decode_evict", lambda *a, **kw: calls.append(kw["capacity"]) or kernel(*a, **kw)
-    )
+    kernel, calls = triton_evict.decode_evict, []
+    monkeypatch.setattr(triton_evict, "decode_evict", lambda *a, **kw: calls.append(kw["capacity"]) or kernel(*a, **kw))
     model = make_model("llama")
     prompts = [random_ids(1, 12, seed=1), random_ids(1, 20, seed=2)]
     runs = []

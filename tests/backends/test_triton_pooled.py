@@ -17,16 +17,16 @@ from helpers import BEYOND_SCHEDULES as SCHEDULES
 from helpers import kept_positions, random_qkv, run_layer
 from reference import reference_layer
 
-pytestmark = [
-    pytest.mark.skipif(not triton_importable(), reason="triton is not installed (the dev extra has it)"),
-    pytest.mark.skipif(not interpreted(), reason="CPU tensors reach the Triton kernels only under the interpreter"),
-]
+pytestmark = pytest.mark.skipif(not triton_importable(), reason="triton is not installed (the dev extra has it)")
+INTERPRETED = pytest.mark.skipif(not interpreted(), reason="CPU tensors reach Triton's kernels only interpreted")
+DEVICES = (["cpu"] if interpreted() else []) + (["cuda"] if torch.cuda.is_available() else [])
 ADAKV = sorted(name for name in POLICIES if name.startswith("adakv"))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("storage", ["float32", "int8"])
 @pytest.mark.parametrize("kv_heads,group,holes", [(2, 2, True), (3, 1, False), (4, 3, True)])
-def test_pooled_row_matches_literal_attention_per_head(storage, kv_heads, group, holes):
+def test_pooled_row_matches_literal_attention_per_head(device, storage, kv_heads, group, holes):
     """Query head i attends only over the slots tagged i // group; the summed probabilities are each slot's own
     group's, `last` their mean over that group."""
     from h2o_kv.backends.triton_decode import decode_attend
@@ -43,9 +43,11 @@ def test_pooled_row_matches_literal_attention_per_head(storage, kv_heads, group,
     if storage == "int8":
         (k, ks), (v, vs) = quantize(k), quantize(v)
         k_ref, v_ref, scales = dequantize(k, ks, torch.float32), dequantize(v, vs, torch.float32), (ks, vs)
-    out, scores, last = decode_attend(q, k, v, pos if holes else None, scaling=dim**-0.5, key_scale=scales[0],
-                                      value_scale=scales[1], want_scores=True, want_last=True,
-                                      slot_head=head.to(torch.int8), kv_heads=kv_heads)  # fmt: skip
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    out, scores, last = decode_attend(to(q), to(k), to(v), to(pos) if holes else None, scaling=dim**-0.5,
+                                      key_scale=to(scales[0]), value_scale=to(scales[1]), want_scores=True,
+                                      want_last=True, slot_head=to(head.to(torch.int8)), kv_heads=kv_heads)  # fmt: skip
+    out, scores, last = out.cpu(), scores.cpu(), last.cpu()
     own = head[:, 0, None, :] == (torch.arange(kv_heads * group) // group)[None, :, None]  # [B, Hq, S]
     visible = own & (pos >= 0) if holes else own
     logits = (q[:, :, 0].double() @ k_ref[:, 0].double().mT) * dim**-0.5
@@ -55,6 +57,7 @@ def test_pooled_row_matches_literal_attention_per_head(storage, kv_heads, group,
     torch.testing.assert_close(last[:, 0].double(), probs.sum(1) / group, atol=1e-5, rtol=1e-5)
 
 
+@INTERPRETED
 def test_a_pooled_row_must_be_one_storage_row():
     from h2o_kv.backends.triton_decode import decode_attend
 
@@ -63,12 +66,12 @@ def test_a_pooled_row_must_be_one_storage_row():
         decode_attend(q, k, k, None, scaling=0.25, slot_head=torch.zeros(1, 2, 8, dtype=torch.int8), kv_heads=2)
 
 
+@INTERPRETED
 @pytest.mark.parametrize("name", ADAKV)
-@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
-@pytest.mark.parametrize("mode", ["drop", "mask"])
+@pytest.mark.parametrize("schedule,mode", [(schedule, "drop") for schedule in sorted(SCHEDULES)] + [("mixed", "mask")])
 def test_adakv_layer_on_the_triton_kernel_matches_the_reference(monkeypatch, name, schedule, mode):
-    """Every AdaKV policy and schedule of tests/policies/test_policies_beyond.py with the decode steps' attention on
-    the Triton kernel (counted: with each slot's head)."""
+    """Every AdaKV policy and schedule of tests/policies/test_policies_beyond.py (drop mode; mask mode once: the
+    interpreter is slow) with the decode steps' attention on the Triton kernel (counted: with each slot's head)."""
     from h2o_kv.backends import triton_decode
 
     monkeypatch.setenv("H2O_KV_TRITON", "1")
@@ -86,6 +89,7 @@ def test_adakv_layer_on_the_triton_kernel_matches_the_reference(monkeypatch, nam
     assert all(pooled_calls[1:]) and sum(size == 1 for size in chunks[1:]) <= sum(pooled_calls)  # over the pooled row
 
 
+@INTERPRETED
 def test_adakv_decode_steps_on_the_triton_kernel_equal_the_torch_steps(monkeypatch):
     """A model's AdaKV cache decoding past its budget, attention on the Triton kernel against torch's: the logits and
     the kept positions."""

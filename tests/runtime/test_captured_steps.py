@@ -34,16 +34,18 @@ def prompt(length: int, seed: int) -> list[int]:
 
 
 @pytest.mark.filterwarnings("ignore:.* too few for coherent text")
-def test_a_batch_is_recorded_once_per_bucket_and_replayed_across_joins_and_leaves(monkeypatch):
+@pytest.mark.parametrize("policy", ["h2o", "adakv"])
+def test_a_batch_is_recorded_once_per_bucket_and_replayed_across_joins_and_leaves(monkeypatch, policy):
     """Ten requests, at most four running, rows in place, on the torch steps a GPU runs (no C++ kernels): a batch's
     step is recorded once per bucket it reaches (requests joining free rows and leaving them replay the same
-    recording), most steady steps are replays, and every request's tokens equal its eager solo run's."""
+    recording), most steady steps are replays, and every request's tokens equal its eager solo run's. AdaKV's
+    head-pooled rows too."""
     monkeypatch.setattr(native, "resolve", lambda compile_kernel: False)
     model, tokenizer = make_model("llama"), make_tokenizer()
     requests = [(prompt(12 + 2 * i, seed=i), 8 + 3 * (i % 4)) for i in range(10)]
-    eager = Engine(model, tokenizer, max_batch=4, prefill_chunk=16, policy="h2o", budget=0.3)
+    eager = Engine(model, tokenizer, max_batch=4, prefill_chunk=16, policy=policy, budget=0.3)
     solo = [eager.generate(ids, max_tokens=n).token_ids for ids, n in requests]
-    engine = Engine(model, tokenizer, max_batch=4, prefill_chunk=16, policy="h2o", budget=0.3, rows_in_place=True)
+    engine = Engine(model, tokenizer, max_batch=4, prefill_chunk=16, policy=policy, budget=0.3, rows_in_place=True)
     graphs = Rerun()
     engine._steps = steps = CapturedSteps(model, eos=engine.eos, prefill_chunk=16, held=engine._note_peaks,
                                           graphs=graphs)  # fmt: skip

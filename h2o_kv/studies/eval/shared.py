@@ -86,15 +86,21 @@ def record_pass(model: Any, prompt_ids: Sequence[int], tokenizer: Any, *, chunk:
     return recording.calls
 
 
-def replay_pass(cache: KVCache, calls: list[list]) -> KVCache:
+def replay_pass(cache: KVCache, calls: list[list], peaks: dict | None = None) -> KVCache:
     """KVzip's pass in `cache` (an empty cache of a policy that `reconstructs`) from `record_pass`'s calls: the held
     call, then each reconstruction call as a scoring call; leaving the pass ranks, then the prompt ends, as
-    `h2o_kv.compress` leaves it. The outputs are dropped; returns `cache`."""
-    with cache.reconstruction() as rec:
-        replay(cache, calls, only=range(1))
-        for call in range(1, len(calls[0])):
-            with rec.scoring():
-                replay(cache, calls, only=range(call, call + 1))
+    `h2o_kv.compress` leaves it. The outputs are dropped (a scoring call computes none); returns `cache`. `peaks`: a
+    dict kept across the replays of these calls (`Settings.peaks`), so that each scoring call's peak attention is
+    computed once per storage layout (per head, or whole cache) whatever the cache's budget."""
+    cache.settings.peaks = {} if peaks is None else peaks
+    try:
+        with cache.reconstruction() as rec:
+            replay(cache, calls, only=range(1))
+            for call in range(1, len(calls[0])):
+                with rec.scoring():
+                    replay(cache, calls, only=range(call, call + 1))
+    finally:
+        cache.settings.peaks = None
     cache.end_prompt()
     return cache
 
@@ -193,7 +199,7 @@ def shared_answers(
     from the cache itself). An empty question answers from the prompt's own last logits (query-aware). `done`: one
     stopping test per question (or None). The prefill is recorded at the first cache that replays it, so caches that
     all read the prompt themselves cost no recording."""
-    recorded, passed, shared = None, None, SharedAttention()
+    recorded, passed, shared, peaks = None, None, SharedAttention(), {}
     logits_needed = not all(questions)  # query-aware: a pass reads the prompt but its last token (`_own_prefill`)
     n, last = len(prompt_ids), len(questions) - 1
     stops = [None] * len(questions) if done is None else list(done)
@@ -208,7 +214,7 @@ def shared_answers(
             elif cache.settings.kv_dtype is None:  # KVzip: its pass recorded once (query-aware: but the last token)
                 body = prompt_ids[:-1] if logits_needed else prompt_ids
                 passed = passed or record_pass(model, body, _tokenizer_for(cache, tokenizer))
-                replay_pass(cache, passed)
+                replay_pass(cache, passed, peaks)
                 first = _last_token(model, cache, prompt_ids) if logits_needed else None
             else:
                 first = _own_prefill(model, cache, prompt_ids, tokenizer, logits_needed=logits_needed)

@@ -71,10 +71,12 @@ def environment() -> Row:
 
 
 def commit() -> str:
-    """The checkout's short commit, "+dirty" when the tree has changes; "unknown" outside a git checkout."""
+    """The checkout's short commit, "+dirty" when the tree has changes outside `results/` (what a study writes while
+    others run is data, not the code a figure ran); "unknown" outside a git checkout."""
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, check=True).stdout
+        status = ["git", "status", "--porcelain", "--", ".", ":(exclude)results"]
+        dirty = subprocess.run(status, capture_output=True, text=True, check=True).stdout
         return out.stdout.strip() + ("+dirty" if dirty.strip() else "")
     except (OSError, subprocess.CalledProcessError):  # not a checkout (an installed wheel), or no git
         return "unknown"

@@ -65,14 +65,16 @@ def test_captured_steps_need_a_gpu():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.filterwarnings("ignore:.* too few for coherent text")
-def test_on_a_gpu_the_engine_replays_cuda_graphs_with_the_eager_tokens():
+@pytest.mark.parametrize("policy", ["h2o", "adakv"])
+def test_on_a_gpu_the_engine_replays_cuda_graphs_with_the_eager_tokens(policy):
     """On a GPU the engine keeps rows in place and replays each batch's recorded step by default: the tokens of the
-    same engine with eager steps, most steady steps replayed; the recordings go with their batches."""
+    same engine with eager steps, most steady steps replayed; the recordings go with their batches. AdaKV's
+    head-pooled rows too (their steady step holds no host sync, which a CUDA graph's capture would refuse)."""
     model, tokenizer = make_model("llama").cuda(), make_tokenizer()
     requests = [(prompt(12 + 3 * i, seed=i), 10 + 3 * (i % 4)) for i in range(10)]
     runs = []
     for captured in (False, True):
-        engine = Engine(model, tokenizer, max_batch=4, prefill_chunk=16, policy="h2o", budget=0.3,
+        engine = Engine(model, tokenizer, max_batch=4, prefill_chunk=16, policy=policy, budget=0.3,
                         captured_steps=captured)  # fmt: skip
         handles = [engine.submit(ids, max_tokens=n, ignore_eos=True) for ids, n in requests]
         engine.run()

@@ -62,10 +62,11 @@ def causal_mask(real: torch.Tensor) -> torch.Tensor:
     return (causal[None] & real[:, None, :])[:, None]
 
 
-def run_layer(policy, q, k, v, chunks, *, real=None, mode="drop", prefill_chunk=None, window=None, native=False):
+def run_layer(policy, q, k, v, chunks, *, real=None, mode="drop", prefill_chunk=None, window=None, native=False,
+              headroom=0):  # fmt: skip
     """Drive one cache layer the way a model's attention does: update, then attention (`native`: with
     h2o-kv's C++ kernels, as a KVCache on a CPU where they can be built)."""
-    settings = Settings(policy, mode, prefill_chunk, compile_kernel=native)
+    settings = Settings(policy, mode, prefill_chunk, compile_kernel=native, headroom=headroom)
     layer = (PooledKVLayer if policy.head_pooled else KVLayer)(settings, 0)
     batch, total = q.shape[0], q.shape[2]
     real = torch.ones(batch, total, dtype=torch.bool, device=q.device) if real is None else real

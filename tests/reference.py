@@ -103,7 +103,10 @@ def reference_layer(
     out = torch.zeros(total, q_heads, dim, dtype=torch.float64)
     kept = [[] for _ in range(kv_heads)] if kept is None else kept
     observe, pool, decay = params.get("observe"), params.get("pool", 1), params.get("decay", 1.0)
-    for size in chunks:
+    base, grown = capacity, params.get("prompt_done", False)  # `headroom`: held past the budget after the prompt
+    for index, size in enumerate(chunks):
+        grown = grown or (index > 0 and size == 1)  # a one-token call after the prompt completes it
+        capacity = base + params.get("headroom", 0) if grown else base
         new = range(start, start + size)
         observed = size > 1 and observe is not None
         scoring = [t for t in new if not observed or t > new[-1] - observe]

@@ -42,7 +42,9 @@ class KVCache(Cache):
     bytes than float32; see quant.py). Decode steps on a CPU over float32, bfloat16 or int8 storage or a head-pooled
     layer (AdaKV) run h2o-kv's C++ kernels, built once per machine where ninja and a C++ compiler are found
     (native.py); `compile_kernel=False` keeps the eager path, `compile_kernel=True` requires the kernels (an
-    error where they cannot be built).
+    error where they cannot be built). `headroom`: tokens each (sequence, KV head) may hold past its budget once
+    the prompt is complete (a one-token call came, or `end_prompt()`): a question and its answer after a compressed
+    context join it without evicting any of it, as kvpress appends them to its compressed cache; 0 by default.
     """
 
     def __init__(
@@ -54,6 +56,7 @@ class KVCache(Cache):
         prompt_len: int | None = None,
         kv_dtype: str | None = None,
         compile_kernel: bool | None = None,
+        headroom: int = 0,
     ) -> None:
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be an h2o_kv policy (H2O, Local, ...), got {type(policy).__name__}")
@@ -64,9 +67,12 @@ class KVCache(Cache):
                 raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
             if value is not None and not 0 < value <= MAX_TOKENS:
                 raise ValueError(f"{name} must be a positive int (at most {MAX_TOKENS}), got {value!r}")
+        if isinstance(headroom, bool) or not isinstance(headroom, int) or not 0 <= headroom <= MAX_TOKENS:
+            raise ValueError(f"headroom must be an int of tokens in [0, {MAX_TOKENS}], got {headroom!r}")
         check_kv_dtype(kv_dtype)
         kernels = native.resolve(compile_kernel)
-        self.settings = Settings(policy, mode, prefill_chunk, prompt_len, kv_dtype=kv_dtype, compile_kernel=kernels)
+        self.settings = Settings(policy, mode, prefill_chunk, prompt_len, kv_dtype=kv_dtype, compile_kernel=kernels,
+                                 headroom=headroom)  # fmt: skip
         super().__init__(layer_class_to_replicate=self._new_layer)
 
     @property
@@ -199,7 +205,7 @@ class KVCache(Cache):
             raise ValueError(f"fork takes rows in [0, {self.batch_size}), got {rows}")
         mine = self.settings
         twin = KVCache(mine.policy, mode=mine.mode, prefill_chunk=mine.prefill_chunk, prompt_len=mine.prompt_len,
-                       kv_dtype=mine.kv_dtype, compile_kernel=mine.compile_kernel)  # fmt: skip
+                       kv_dtype=mine.kv_dtype, compile_kernel=mine.compile_kernel, headroom=mine.headroom)  # fmt: skip
         twin.settings.warned, twin.settings.past_context = mine.warned, mine.past_context  # warned once, as one cache
         index = torch.as_tensor(rows, dtype=torch.long)
         twin.layers = [layer.forked(index, twin.settings) for layer in self.layers]

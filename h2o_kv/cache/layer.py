@@ -83,6 +83,7 @@ class KVLayer(Rows, Steady, CacheLayerMixin):
         self.kept_bound = 0  # upper bound on kept tokens per (sequence, head), known without a sync
         self.used = 0  # slots at or after this index are free (mask mode never reuses a slot)
         self.decoded = False  # a one-token call came after the prompt (a fraction budget is then final)
+        self.grown = False  # the prompt complete, `Settings.headroom` joined the budget (`_add_headroom`)
         self.is_initialized = True
         self._rows_changed()
 
@@ -158,6 +159,8 @@ class KVLayer(Rows, Steady, CacheLayerMixin):
             )
         if n == 1 and self.prompt_len is not None:
             self.decoded = True
+        if self.decoded and not self.grown:
+            self._add_headroom()
         if n == 1 and not has_padding:  # decoding: each row's token takes its next position
             qpos, real_before = self.next_pos.view(batch, 1).clone(), None
             first_pos = qpos.view(batch)
@@ -228,6 +231,16 @@ class KVLayer(Rows, Steady, CacheLayerMixin):
                 if short is not None:  # once per cache: every layer fixes its budget
                     self.settings.warned = True
                     warnings.warn(short, stacklevel=2)
+
+    def _add_headroom(self) -> None:
+        """The prompt is complete: each (sequence, KV head) may hold `Settings.headroom` tokens past its budget, so a
+        question and its answer after a compressed context join it before any of the context is evicted."""
+        self.grown = True
+        extra = self.settings.headroom * (self.kv_heads if self.head is not None else 1)  # a pooled row: every head's
+        if extra and self.capacity is not None:
+            self.capacity = self.capacity + extra
+            self.max_capacity, self.min_capacity = self.max_capacity + extra, self.min_capacity + extra
+            self._storage_changed()  # the steady state was sized by the old budget
 
     def _insert(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> int | None:
         """Write new tokens into slots; padding gets a slot but stays marked empty.

@@ -44,6 +44,7 @@ class Settings:
     padding: PaddingMemo | None = None
     kv_dtype: str | None = None  # "int8": keys and values stored quantized with per-token scales (quant.py)
     compile_kernel: bool = False  # CPU decode steps over float32, int8 or head-pooled storage run native.py's kernels
+    headroom: int = 0  # tokens per (sequence, KV head) held past the budget once the prompt is complete (layer.py)
 
     def __post_init__(self) -> None:
         self._work: torch.Tensor | None = None

@@ -11,7 +11,7 @@ import torch
 
 from h2o_kv.runtime.generation import greedy_continue, prefill
 from h2o_kv.studies.eval.decoding import new_cache
-from h2o_kv.studies.eval.retrieval import make_samples, run_shared
+from h2o_kv.studies.eval.retrieval import answer_tokens, make_samples, run_shared
 from h2o_kv.studies.eval.ruler import RULER_TASKS, Sample, score, string_match_all, string_match_part
 from h2o_kv.studies.eval.ruler_fit import split_ids
 from h2o_kv.studies.eval.ruler_spec import SPECS, SUBSTITUTES, label
@@ -137,7 +137,8 @@ def one_thread():
 
 def test_both_settings_answer_as_direct_calls_would(tokenizer, one_thread) -> None:
     """Query-aware: context + question in one call; query-agnostic: the context compressed alone, then the question
-    as the cache's next call. The shared prefill gives the answers direct calls give, on the ids split_ids makes."""
+    as the cache's next call. The shared prefill gives the answers direct calls give, on the ids split_ids makes,
+    with what follows the compressed prompt (the question when agnostic, the answer) appended: `headroom`."""
     model = tiny_model(tokenizer, context=2048)
     model.generation_config.eos_token_id = None
     samples = [
@@ -151,9 +152,11 @@ def test_both_settings_answer_as_direct_calls_would(tokenizer, one_thread) -> No
         for s in samples:
             c, q = split_ids(tokenizer, s)
             compressed = c if agnostic else c + q
+            headroom = (len(q) if agnostic else 0) + answer_tokens(s.task, 4)
             for policy, budget in configs:
-                cache = new_cache(policy, budget, len(compressed))  # a fraction of what is compressed, per sample
+                cache = new_cache(policy, budget, len(compressed), headroom=headroom)  # a fraction of the compressed
                 logits = prefill(model, cache, torch.tensor([compressed]))
+                cache.end_prompt()
                 if agnostic:  # the question: the cache's next call, at the positions after the context
                     logits = prefill(model, cache, torch.tensor([q]), start=len(c))
                 out = greedy_continue(model, cache, logits, len(c) + len(q), 4)
@@ -172,7 +175,9 @@ def test_a_policy_with_its_own_pass_reads_the_context_itself(tokenizer, one_thre
     monkeypatch.setattr("h2o_kv.studies.eval.shared.record_prefill", lambda *a: pytest.fail("recorded for nothing"))
     run_shared(model, tokenizer, [sample], [("kvzip", 0.25)], cells=_NoCells(), gen_cap=4, agnostic=True)
     c, q = split_ids(tokenizer, sample)
-    cache = compress(model, torch.tensor([c]), cache=new_cache("kvzip", 0.25, len(c)), tokenizer=tokenizer)
+    headroom = len(q) + answer_tokens(sample.task, 4)
+    cache = compress(model, torch.tensor([c]), cache=new_cache("kvzip", 0.25, len(c), headroom=headroom),
+                     tokenizer=tokenizer)  # fmt: skip
     logits = prefill(model, cache, torch.tensor([q]), start=len(c))
     direct = tokenizer.decode(greedy_continue(model, cache, logits, len(c) + len(q), 4), skip_special_tokens=True)
     assert _NoCells.answers[(sample.metadata["seed"], sample.task, "kvzip", True)] == direct

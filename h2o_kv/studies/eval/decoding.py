@@ -23,11 +23,12 @@ def kv_dtype_of(policy: str) -> str | None:
     return "int8" if policy.endswith(INT8) else None
 
 
-def new_cache(policy: str, budget: Budget, length: int, *, mode: Mode = "drop", chunk: int | None = None) -> KVCache:
+def new_cache(policy: str, budget: Budget, length: int, *, mode: Mode = "drop", chunk: int | None = None,
+              headroom: int = 0) -> KVCache:  # fmt: skip
     """A fresh cache for `policy` at `budget` resolved against `length` tokens ("full": no budget;
-    "h2o-int8": H2O with int8 storage)."""
+    "h2o-int8": H2O with int8 storage); `headroom`: `KVCache`'s (tokens held past the budget after the prompt)."""
     built = build(policy.removesuffix(INT8), budget_tokens(budget, length))
-    return KVCache(built, mode=mode, prefill_chunk=chunk, kv_dtype=kv_dtype_of(policy))
+    return KVCache(built, mode=mode, prefill_chunk=chunk, kv_dtype=kv_dtype_of(policy), headroom=headroom)
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

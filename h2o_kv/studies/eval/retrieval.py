@@ -198,7 +198,10 @@ def _prompt_cells(
     sample = asks[0]
     per_sample = bool(sample.question)  # RULER-13: the fraction is of what is compressed, as kvpress sizes it
     length = len(prompt_ids) if per_sample else context
-    extra = dict(setting="agnostic" if agnostic else "aware", budget_of="compressed") if per_sample else {}
+    # RULER-13 as kvpress runs it: what comes after the compressed prompt (the question when agnostic, the answer) is
+    # appended to the cache, not made room for by evicting the prompt (`KVCache(headroom=...)`)
+    setting = "agnostic" if agnostic else "aware"
+    extra = dict(setting=setting, budget_of="compressed", after="appended") if per_sample else {}
     kind = "retrieval-questions" if tag else "retrieval-sample"  # compare/per_sample.py reads one-question cells
     names = {
         run: dict(kind=kind, subtask=sample.task, context=context, depth=sample.depth,
@@ -207,11 +210,13 @@ def _prompt_cells(
         for run in configs
     }  # fmt: skip
     have = {run: cells.stored(name) for run, name in names.items()}
-    makers = {run: partial(new_cache, run[0], run[1], length, mode=mode) for run in configs if have[run] is None}
+    questions = [split_ids(tokenizer, one)[1] if agnostic else [] for one in asks]
+    new = answer_tokens(sample.task, gen_cap)
+    headroom = max(map(len, questions)) + new if per_sample else 0
+    makers = {run: partial(new_cache, run[0], run[1], length, mode=mode, headroom=headroom)
+              for run in configs if have[run] is None}  # fmt: skip
     if makers:
-        questions = [split_ids(tokenizer, one)[1] if agnostic else [] for one in asks]
         stops = [lambda out, s=one: score(s, tokenizer.decode(out, skip_special_tokens=True)) == 1.0 for one in asks]
-        new = answer_tokens(sample.task, gen_cap)
         answers = shared_answers(model, prompt_ids, makers, questions, max_new_tokens=new, eos=eos, done=stops,
                                  tokenizer=tokenizer)  # fmt: skip
         for run, (outs, kv_bytes) in answers.items():

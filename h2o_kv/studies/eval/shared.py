@@ -211,6 +211,7 @@ def shared_answers(
                 recorded = recorded or record_prefill(model, prompt_ids)
                 first = recorded[0]
                 replay(cache, recorded[1], shared)
+                cache.end_prompt()  # the prompt is complete: a question is its next call, the headroom counts
             elif cache.settings.kv_dtype is None:  # KVzip: its pass recorded once (query-aware: but the last token)
                 body = prompt_ids[:-1] if logits_needed else prompt_ids
                 passed = passed or record_pass(model, body, _tokenizer_for(cache, tokenizer))
@@ -247,7 +248,9 @@ def _own_prefill(model: Any, cache: KVCache, ids: Sequence[int], tokenizer: Any,
     own (the prompt's last token then comes as the next call when its logits are needed: query-aware)."""
     tensor = torch.tensor([list(ids)], device=model.device)
     if not _reconstructs(cache):
-        return forward(model, cache, tensor)
+        logits = forward(model, cache, tensor)
+        cache.end_prompt()  # as a replayed cache: a question is the next call, the headroom counts
+        return logits
     from h2o_kv.runtime.compress import compress
 
     tokenizer = _tokenizer_for(cache, tokenizer)

@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere: the repository's h2o_kv
 
 from h2o_kv.studies.bench.gpu_models import make_model, sync  # noqa: E402
+from h2o_kv.studies.report import provenance  # noqa: E402
 
 SHAPES = {  # name: (shape, dtype, prompt lengths of the `step` cell, decode steps timed)
     "gpu": ("smollm2-135m", torch.bfloat16, [1024, 1536, 2048, 2560, 3072, 3584, 4096, 1280], 64),
@@ -205,6 +206,7 @@ def main(argv=None) -> None:
              lambda: step_cell(model, lengths, steps, device, "ragged"),
              lambda: step_cell(model, same, steps, device, "one length"),
              lambda: step_cell(model, same, steps, device, "one length", in_place=False)]  # fmt: skip
+    where = provenance()  # each row: the commit, torch, triton, the GPU
     with open(args.out / "issue51.jsonl", "a") as log:
         for cell in cells:
             start = time.perf_counter()
@@ -212,7 +214,7 @@ def main(argv=None) -> None:
                 row = cell()
             except Exception as err:
                 row = dict(error=f"{type(err).__name__}: {err}", trace=traceback.format_exc(limit=6))
-            row.update(seconds=round(time.perf_counter() - start, 1), device=str(device), shape=shape)
+            row.update(seconds=round(time.perf_counter() - start, 1), device=str(device), shape=shape, **where)
             print(json.dumps(row), flush=True)
             log.write(json.dumps(row) + "\n")
 

@@ -44,6 +44,21 @@ def write_csv(path: Path, columns: Sequence[str], rows: Iterable[Row]) -> Path:
     return path
 
 
+def provenance() -> Row:
+    """What a GPU figure's row records of where it ran (issue 51): the commit ("+dirty" for changed code), torch,
+    triton and the GPU (None where absent)."""
+    import torch
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:  # Triton is not a dependency of the core
+        triton_version = None
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return dict(commit=commit(), torch=torch.__version__, triton=triton_version, gpu=gpu)
+
+
 def environment() -> Row:
     """Where the numbers come from: timings only compare on the same machine, versions and threads."""
     import torch

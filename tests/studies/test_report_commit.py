@@ -1,4 +1,5 @@
-"""`report.commit`, the provenance every figure records: the commit, "+dirty" only for changes outside results/."""
+"""`report.commit` and `report.provenance`, what every figure records: the commit ("+dirty" only for changes outside
+results/), and on every GPU row torch, triton and the GPU."""
 
 from __future__ import annotations
 
@@ -25,3 +26,20 @@ def test_commit_is_dirty_for_code_changes_not_for_results(tmp_path, monkeypatch)
     assert commit() == clean
     (tmp_path / "code.py").write_text("x = 2\n")
     assert commit() == clean + "+dirty"
+
+
+def test_every_gpu_row_records_where_it_ran(tmp_path):
+    """The GPU study's rows (bench/gpu.py `logger`) carry `report.provenance`: the commit, torch, triton, the GPU
+    (None on a CPU); a row's own keys win."""
+    import json
+
+    import torch
+
+    from h2o_kv.studies.bench.gpu import logger
+
+    rows, log = logger(tmp_path, torch.device("cpu"))
+    log(dict(cell="step", ms=1.0, gpu="given"))
+    (written,) = [json.loads(line) for line in (tmp_path / "gpu.jsonl").read_text().splitlines()]
+    assert written == rows[0]
+    assert written["cell"] == "step" and written["gpu"] == "given" and written["torch"] == torch.__version__
+    assert written["commit"] and "triton" in written

@@ -33,6 +33,7 @@ import torch
 
 from h2o_kv.studies.bench.gpu_checks import check_captured, generate_compiled
 from h2o_kv.studies.bench.gpu_models import BUDGET, SHAPES, clock, copy_rate, h2o_cache, make_model, sync
+from h2o_kv.studies.report import provenance
 
 RUNS = {  # shape: (context, batch, decode steps)
     "smollm2-135m": (4096, 4, 64),
@@ -273,11 +274,12 @@ def study(shape: str, context: int, batch: int, steps: int, device, dtype, log, 
 
 
 def logger(out: Path, device: torch.device):
-    """(the rows so far, a function that keeps a row, prints it and appends it to out/gpu.jsonl); on a GPU the
-    first row names the machine and its measured copy rate."""
-    rows = []
+    """(the rows so far, a function that keeps a row, prints it and appends it to out/gpu.jsonl, each with its
+    `report.provenance`); on a GPU the first row names the machine and its measured copy rate."""
+    rows, where = [], provenance()
 
     def log(row: dict) -> None:
+        row = where | row  # the row's own keys win
         rows.append(row)
         print(json.dumps(row), flush=True)
         with open(out / "gpu.jsonl", "a") as f:

@@ -105,7 +105,10 @@ def reference_layer(
     observe, pool, decay = params.get("observe"), params.get("pool", 1), params.get("decay", 1.0)
     base, grown = capacity, params.get("prompt_done", False)  # `headroom`: held past the budget after the prompt
     for index, size in enumerate(chunks):
-        grown = grown or (index > 0 and size == 1)  # a one-token call after the prompt completes it
+        if "grown_from" in params:  # the chunk from which it counts (a call's chunks are not calls)
+            grown = index >= params["grown_from"]
+        else:
+            grown = grown or (index > 0 and size == 1)  # a one-token call after the prompt completes it
         capacity = base + params.get("headroom", 0) if grown else base
         new = range(start, start + size)
         observed = size > 1 and observe is not None

@@ -122,6 +122,7 @@ def layer_cases(draw):
         prefill_chunk=draw(st.one_of(st.none(), st.integers(1, 5))),
         window=draw(st.one_of(st.none(), st.integers(2, 8))),
         native=draw(st.booleans()),  # CPU decode steps through h2o-kv's C++ kernels (native.py)
+        headroom=draw(st.sampled_from([0, 0, 1, 3])),  # held past the budget once the prompt is complete
         seed=draw(st.integers(0, 2**16)),
     )
 
@@ -141,13 +142,16 @@ def test_layer_equals_reference_for_random_policies_batches_and_schedules(case):
         real[row, :pad] = False  # left padding inside the first call
 
     pooled = case["policy"].head_pooled
-    settings = Settings(case["policy"], case["mode"], case["prefill_chunk"], compile_kernel=case["native"])
+    settings = Settings(case["policy"], case["mode"], case["prefill_chunk"], compile_kernel=case["native"],
+                        headroom=case["headroom"])  # fmt: skip
+    grows_at = next((i for i, size in enumerate(calls) if i and size == 1), len(calls))  # the first decode step
     layer = (PooledKVLayer if pooled else KVLayer)(settings, 0)
     rule, sized = spec(case["policy"])
     capacity = [sized(calls[0] - pad)[0] for pad in case["padding"]]
     outs, start = [], 0
-    for size in calls:
+    for index, size in enumerate(calls):
         stop = start + size
+        extra = case["headroom"] if index >= grows_at else 0
         layer.update(k[:, :, start:stop], v[:, :, start:stop])
         outs.append(
             layer.forward_attention(
@@ -157,20 +161,24 @@ def test_layer_equals_reference_for_random_policies_batches_and_schedules(case):
         kept = layer.kept()
         for row in range(batch):  # never more than the capacity between calls (a pooled layer's heads: heads x it)
             held = kept[row].sum() if pooled else kept[row].max()
-            assert int(held) <= capacity[row] * (case["kv_heads"] if pooled else 1)
+            assert int(held) <= (capacity[row] + extra) * (case["kv_heads"] if pooled else 1)
         start = stop
     out = torch.cat(outs, dim=1)
 
     for row, pad in enumerate(case["padding"]):
         chunk = case["prefill_chunk"]
-        schedule, begin = [], 0
-        for size in calls:  # each call in pieces of prefill_chunk columns; padding columns removed
+        schedule, begin, grown_from = [], 0, None
+        for index, size in enumerate(calls):  # each call in pieces of prefill_chunk columns; padding columns removed
+            if index == grows_at:
+                grown_from = sum(1 for n in schedule if n)
             for piece in range(begin, begin + size, chunk or size):
                 end = min(begin + size, piece + (chunk or size))
                 schedule.append(int(real[row, piece:end].sum()))
             begin += size
         schedule = [n for n in schedule if n]
         cap, params = sized(calls[0] - pad)
+        grown_from = len(schedule) if grown_from is None else grown_from
+        params = params | {"headroom": case["headroom"], "grown_from": grown_from}
         ref_out, ref_kept = reference_layer(
             q[row, :, pad:], k[row, :, pad:], v[row, :, pad:], schedule, rule, cap, params, window=window
         )

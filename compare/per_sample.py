@@ -18,7 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
-from side_by_side import PRESS_FRACTION, model_of  # compare/ is on the path when run as a script
+from side_by_side import kept_fraction, model_of  # compare/ is on the path when run as a script
 
 
 def h2o_scores(cells: Path, policy: str) -> tuple[dict[tuple[float, str, int, int], float], set[str]]:
@@ -51,7 +51,7 @@ def kvpress_scores(results: Path, press: str, samples: dict[str, dict]) -> dict[
     for cell in json.loads(results.read_text())["cells"].values():
         if cell["press"] != press or cell["ratio"] is None:
             continue
-        fraction = PRESS_FRACTION[round(cell["ratio"], 6)]
+        fraction = kept_fraction(cell["ratio"])
         for sid, result in cell["samples"].items():
             rec = samples[sid]
             out[(fraction, rec["task"], rec["context_tokens"], rec["seed"])] = result["score"]

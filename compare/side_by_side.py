@@ -2,11 +2,15 @@
 
     python compare/side_by_side.py --h2o results/qwen/h2o-kv/results.json --kvpress results/qwen/kvpress/results.json \\
         --out results/qwen/side_by_side.md
+    python compare/side_by_side.py --prefill agnostic --out results/compress-once/side_by_side.md \\
+        --h2o results/compress-once/qwen2.5-coder-0.5b/results.json \\
+        --kvpress results/kvpress-compress-once-qwen2.5-coder-0.5b/results.json
 
-Reads h2o-kv's `h2o-kv eval` results (the oneshot retrieval rows: score and KV bytes kept after the prompt,
-per policy and budget) and run_kvpress.py's per-sample cache (score and the bytes of its cache's key and value
-tensors after the prefill). For each cell it names h2o-kv's best policy, kvpress's best press at or below that
-policy's KV bytes, and checks issue 40's bars: h2o-kv's best >= 90 % of Full's score, and >= the best such press.
+Reads h2o-kv's `h2o-kv eval` results (the retrieval rows of one prefill setting, `--prefill`: oneshot by default,
+agnostic for the compress-once study; score and KV bytes kept after the prompt, per policy and budget) and
+run_kvpress.py's per-sample cache (score and the bytes of its cache's key and value tensors after the prefill). For
+each cell it names h2o-kv's best policy, kvpress's best press at or below that policy's KV bytes, and checks issue
+40's bars: h2o-kv's best >= 90 % of Full's score, and >= the best such press.
 """
 
 from __future__ import annotations
@@ -15,13 +19,17 @@ import argparse
 import json
 from pathlib import Path
 
-PRESS_FRACTION = {0.8: 0.2, 0.9: 0.1}  # kvpress's compression ratio -> the fraction of the prompt kept
+
+def kept_fraction(ratio: float) -> float:
+    """The fraction of the prompt a kvpress press keeps at compression `ratio` (the share it removes)."""
+    return round(1.0 - ratio, 6)
 
 
-def h2o_cells(path: str) -> dict[tuple[str, int, float], dict[str, tuple[float, float, int]]]:
-    """{(task, context, fraction): {policy: (score, kv bytes, samples)}} from h2o-kv's results.json (Full at 1.0)."""
+def h2o_cells(path: str, prefill: str = "oneshot") -> dict[tuple[str, int, float], dict[str, tuple]]:
+    """{(task, context, fraction): {policy: (score, kv bytes, samples)}} from h2o-kv's results.json (Full at 1.0), the
+    rows of one prefill setting."""
     rows = [r for r in json.loads(Path(path).read_text())["rows"] if r["task"] == "retrieval"]
-    rows = [r for r in rows if r["prefill"] == "oneshot"]
+    rows = [r for r in rows if r["prefill"] == prefill]
     cells: dict = {}
     for r in rows:
         key = (r["subtask"], r["length"], round(r["budget_frac"], 6))
@@ -37,7 +45,7 @@ def kvpress_cells(path: str) -> dict[tuple[str, int, float], dict[str, tuple[flo
         samples = list(c["samples"].values())
         if not samples:
             continue
-        fraction = 1.0 if c["ratio"] is None else PRESS_FRACTION[round(c["ratio"], 6)]
+        fraction = 1.0 if c["ratio"] is None else kept_fraction(c["ratio"])
         score = sum(s["score"] for s in samples) / len(samples)
         kv_bytes = sum(s["kv_bytes"] for s in samples) / len(samples)
         cells.setdefault((c["task"], c["context"], fraction), {})[c["press"]] = (score, kv_bytes, len(samples))
@@ -90,6 +98,8 @@ def main() -> None:
     )
     parser.add_argument("--kvpress", required=True, nargs="+", help="run_kvpress.py's results.json (merged so too)")
     parser.add_argument("--out", required=True, help="the markdown file to write")
+    parser.add_argument("--prefill", default="oneshot", choices=("oneshot", "agnostic"),
+                        help="h2o-kv's setting: the question in the prompt, or after it (compress-once)")  # fmt: skip
     args = parser.parse_args()
     models = {path: model_of(path) for path in [*args.h2o, *args.kvpress]}
     if len(set(models.values()) - {None}) > 1:  # a table across models would compare nothing
@@ -97,7 +107,7 @@ def main() -> None:
     model = next((m for m in models.values() if m is not None), "not recorded")
     ours, theirs = {}, {}
     for path in args.h2o:
-        ours |= h2o_cells(path)
+        ours |= h2o_cells(path, args.prefill)
     for path in args.kvpress:
         theirs |= kvpress_cells(path)
     sources = ", ".join(f"`{p}`" for p in [*args.h2o, *args.kvpress])

@@ -63,6 +63,25 @@ def test_side_by_side_merges_runs_later_cells_replacing_earlier_ones(tmp_path):
     assert not (tmp_path / "t.md").exists()
 
 
+def test_side_by_side_reads_one_prefill_setting_and_any_kvpress_ratio(tmp_path):
+    """`--prefill agnostic` (the compress-once study) reads h2o-kv's rows of that setting only, and kvpress's ratio
+    0.75 is 25 % of the prompt kept (any ratio: 1 - ratio)."""
+    rows = [{"task": "retrieval", "prefill": prefill, "subtask": "niah_multikey_1", "length": 4096, "budget_frac": f,
+             "policy": p, "metric": m, "value": v, "n": 5}
+            for prefill, score in (("oneshot", 0.9), ("agnostic", 0.6))
+            for f, p in ((1.0, "full"), (0.25, "kvzipwhole"))
+            for m, v in (("score", 1.0 if p == "full" else score), ("kv_bytes", 100.0))]  # fmt: skip
+    (tmp_path / "h.json").write_text(json.dumps({"rows": rows}))
+    press = {"0": {"press": "kvzip", "ratio": 0.75, "task": "niah_multikey_1", "context": 4096,
+                   "samples": {"s": {"score": 0.5, "kv_bytes": 90.0}}}}  # fmt: skip
+    (tmp_path / "k.json").write_text(json.dumps({"cells": press}))
+    args = ["--h2o", tmp_path / "h.json", "--kvpress", tmp_path / "k.json", "--out", tmp_path / "s.md"]
+    subprocess.run([sys.executable, COMPARE / "side_by_side.py", *map(str, args), "--prefill", "agnostic"], check=True)
+    text = (tmp_path / "s.md").read_text()
+    assert "### niah_multikey_1, 4096 tokens, 25% of the prompt" in text
+    assert "| h2o-kv kvzipwhole | 0.60 |" in text and "| kvpress kvzip | 0.50 |" in text and "0.90" not in text
+
+
 def test_per_sample_pairs_samples_by_seed_and_names_those_that_differ(tmp_path):
     """compare/per_sample.py pairs h2o-kv's stored cells (written by the eval's own Cells) with kvpress's
     per-sample scores through the samples file's seeds, per budget, and refuses cells of another model."""

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
+from h2o_kv.cache.stacked import Stacked
+
 
 def chat_text(tokenizer, user: str, *, chat: bool = True) -> str:
     """The text the model sees for a user message: the tokenizer's chat template when it has one."""
@@ -160,6 +162,43 @@ def greedy_continue(
         )
         position += 1
     return out
+
+
+def greedy_together(
+    model,
+    caches: list,
+    logits: list[torch.Tensor],
+    positions: list[int],
+    max_new_tokens: int | list[int],
+    eos: set[int] = frozenset(),
+    done: list | None = None,
+) -> list[list[int]]:
+    """`greedy_continue` for several one-sequence `KVCache`s at once: row r continues `caches[r]` from its next-token
+    `logits[r]` ([V] or [1, V]), its next token at absolute `positions[r]`, and stops as `greedy_continue` does (at an
+    `eos` token, kept; at its limit, `max_new_tokens` or its own entry of it; once its `done[r](tokens)`). Each step
+    is one model call over the rows still going (`cache.stacked.Stacked`): the weights are read once for all of
+    them, where row-by-row decoding reads them once per row."""
+    limits = [max_new_tokens] * len(caches) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    stops = [None] * len(caches) if done is None else list(done)
+    outs: list[list[int]] = [[] for _ in caches]
+    going = [row for row in range(len(caches)) if limits[row] > 0]
+    nexts = {row: int(logits[row].reshape(-1).argmax()) for row in going}
+    while going:
+        still = []
+        for row in going:
+            out = outs[row]
+            out.append(nexts[row])
+            if not (out[-1] in eos or len(out) == limits[row] or (stops[row] is not None and stops[row](out))):
+                still.append(row)
+        going = still
+        if not going:
+            break
+        device = model.device
+        tokens = torch.tensor([outs[row][-1] for row in going], device=device)
+        where = torch.tensor([positions[row] + len(outs[row]) - 1 for row in going], device=device)
+        step = decode_step(model, Stacked([caches[row] for row in going]), tokens, where)
+        nexts = dict(zip(going, step.argmax(-1).tolist(), strict=True))
+    return outs
 
 
 def eos_ids(model, tokenizer) -> set[int]:

@@ -11,7 +11,9 @@ exactly what the layer would do inside the model), and decodes its answer greedi
 Query-agnostic (`question_ids`): the recorded prompt is the context alone, so each cache compresses the context
 without the question; the question then goes into each cache as a second model call (positions after the context),
 and the answer is decoded from that call's logits. Several questions (`shared_answers`): each cache compresses the
-context once, and each question is answered from its own `KVCache.fork` of it ("compress once, ask many").
+context once, and each question is answered from its own `KVCache.fork` of it ("compress once, ask many"). Every
+answer of a prompt is decoded together (`greedy_together`): one model call a step over all the (cache, question)
+rows still going, each row attending with its own cache, so a step reads the weights once, not once per row.
 
 The caches of one prompt share the replay's attention (`SharedAttention`): a recorded call's scores depend on the
 policy only through what it asks (every query's attention, an observation window's, the last query's), not on its
@@ -38,7 +40,7 @@ from h2o_kv.cache.kvcache import KVCache
 from h2o_kv.cache.layer import KVLayer
 from h2o_kv.cache.routes import Call, Slots, attend
 from h2o_kv.policies import Full, KVzip, Policy
-from h2o_kv.runtime.generation import forward, greedy_continue
+from h2o_kv.runtime.generation import forward, greedy_together
 
 
 class _RecordingLayer(KVLayer):
@@ -197,13 +199,16 @@ def shared_answers(
     `caches` compresses the prompt once (replaying the one recorded prefill, or reading it itself), then each question
     (token ids) is that cache's next call, at the positions after the prompt, from its own `KVCache.fork` (the last
     from the cache itself). An empty question answers from the prompt's own last logits (query-aware). `done`: one
-    stopping test per question (or None). The prefill is recorded at the first cache that replays it, so caches that
-    all read the prompt themselves cost no recording."""
+    stopping test per question (or None). The answers of every cache and question are decoded together, one model
+    call a step (`greedy_together`), each cache kept until they end. The prefill is recorded at the first cache that
+    replays it, so caches that all read the prompt themselves cost no recording."""
     recorded, passed, shared, peaks = None, None, SharedAttention(), {}
     logits_needed = not all(questions)  # query-aware: a pass reads the prompt but its last token (`_own_prefill`)
     n, last = len(prompt_ids), len(questions) - 1
     stops = [None] * len(questions) if done is None else list(done)
-    answers = {}
+    if len(stops) != len(questions):
+        raise ValueError(f"done: one stopping test per question ({len(questions)}), got {len(stops)}")
+    rows, kv_bytes = [], {}  # one row per (cache, question): its cache, its next-token logits, its next position
     for key, make in caches.items():
         cache = make()
         with torch.no_grad():
@@ -219,17 +224,21 @@ def shared_answers(
                 first = _last_token(model, cache, prompt_ids) if logits_needed else None
             else:
                 first = _own_prefill(model, cache, prompt_ids, tokenizer, logits_needed=logits_needed)
-            kv_bytes = cache.kept_nbytes()
-            outs = []
-            for i, (question, stop) in enumerate(zip(questions, stops, strict=True)):
+            kv_bytes[key] = cache.kept_nbytes()
+            for i, question in enumerate(questions):
                 mine = cache if i == last else cache.fork()
                 logits = first
                 if question:
                     ids = torch.tensor([list(question)], device=model.device)
                     positions = torch.arange(n, n + len(question), device=model.device).unsqueeze(0)
                     logits = forward(model, mine, ids, positions=positions)
-                outs.append(greedy_continue(model, mine, logits, n + len(question), max_new_tokens, eos, stop))
-        answers[key] = (outs, kv_bytes)
+                rows.append((key, mine, logits, n + len(question), stops[i]))
+    with torch.no_grad():  # every answer decoded together: one model call a step for every row still going
+        outs = greedy_together(model, [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows],
+                               max_new_tokens, eos, [r[4] for r in rows])  # fmt: skip
+    answers = {key: ([], kv_bytes[key]) for key in caches}
+    for (key, *_), out in zip(rows, outs, strict=True):
+        answers[key][0].append(out)
     return answers
 
 

@@ -20,6 +20,7 @@ policy's rows are `batch.py`, and the model calls are `steps.py`. docs/internals
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -118,9 +119,13 @@ class Engine:
         ignore_eos: bool = False,
         on_event=None,
         kv_inspect: bool = False,
+        resend: Callable[[str], list[int]] | None = None,
     ) -> Request:
         """Queue a prompt (token ids); raises at once for anything that cannot be served: `h2o_kv.errors`'
-        ContextTooLong, KVMemoryExceeded, UnknownPolicy, BadBudget (each a ValueError naming its `param`)."""
+        ContextTooLong, KVMemoryExceeded, UnknownPolicy, BadBudget (each a ValueError naming its `param`).
+        `resend(answer_text)`: the token ids a next turn will start with (the conversation as a client sends it back
+        with this answer), so that with `session_memory` the cache kept is one that turn extends (scheduler.py's
+        `keep`); without it the cache that has seen the prompt and the answer's tokens is kept."""
         if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
             raise ValueError("the prompt is empty")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
@@ -137,6 +142,7 @@ class Engine:
         )
         request.generator = sampling.generator(self.model.device)
         request.ignore_eos = bool(ignore_eos)
+        request.resend = resend
         request.kv_inspect = bool(kv_inspect)  # its kept map recorded at its end: `request.stats()["kept_map"]`
         with self._lock:
             if self._closing:

@@ -115,6 +115,12 @@ class PrefixStore:
             self._entries.move_to_end(best)
         return best
 
+    def discard(self, policy: Policy, ids: list[int]) -> None:
+        """Let go of the cache kept under (policy, ids), if there is one."""
+        if (policy, tuple(ids)) in self._entries:
+            self._remove((policy, tuple(ids)))
+            self._publish()
+
     def wanted_by(self, prompts) -> frozenset[Key]:
         """The kept sequences that the (policy, prompt ids) of `prompts` would start from (their use unmarked)."""
         return frozenset(key for policy, ids in prompts if (key := self._longest(policy, tuple(ids))) is not None)

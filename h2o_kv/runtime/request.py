@@ -63,6 +63,7 @@ class Request:
     cache_stats: dict = field(default_factory=dict)  # kept/seen tokens and KV bytes at the end
     kv_inspect: bool = False  # cache_stats also holds the kept map's summary ("kept_map": `KeptMap.summary`)
     reused_tokens: int = 0  # prompt tokens a kept cache had seen (not prefilled; runtime/prefixes.py)
+    resend: Callable[[str], list[int]] | None = None  # the ids a next turn starts with, given this answer's text
     _text: str = ""  # text emitted so far
     _cancelled: threading.Event = field(default_factory=threading.Event)
     _done: threading.Event = field(default_factory=threading.Event)
@@ -77,6 +78,11 @@ class Request:
     def position(self) -> int:
         """Absolute position of the next token fed to the model (the last sampled one)."""
         return len(self.prompt_ids) + len(self.token_ids) - 1
+
+    @property
+    def text(self) -> str:
+        """The answer's text as emitted so far (what the client got: cut before a stop string, EOS not spelt)."""
+        return self._text
 
     @property
     def cancelled(self) -> bool:

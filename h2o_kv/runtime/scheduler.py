@@ -104,20 +104,48 @@ class Scheduler:
             self.passes[request] = self.new_pass(request, cache)
         return cache
 
+    def keep_prompt(self, request: Request, cache: KVCache) -> None:
+        """A prompt is through and its request decodes on: with a prefix store and a request that says what its next
+        turn will resend (`Request.resend`), keep a copy of its cache as it stands, having seen exactly the prompt.
+        Once the answer is known, `keep` leaves the one of the two caches that the next turn can extend."""
+        if self.prefixes is not None and request.resend is not None:
+            self._put(request, request.prompt_ids, cache.fork)
+
     def keep(self, request: Request, cache: KVCache, row: int | None = None) -> None:
         """A request ended: with a prefix store, and an answer (not cancelled, no error), keep what its cache has seen
         (prompt and answer but its last token, never fed). `row`: its row of a batch's cache, copied (the batch goes
-        on; the copy is the row's slots); None: `cache` is its own and is kept as is. Call `trim` once it has left."""
+        on; the copy is the row's slots); None: `cache` is its own and is kept as is. With `Request.resend`, what the
+        next turn will start with decides: the prompt and answer's cache if it extends them, else the prompt's alone
+        (`keep_prompt`: the client's text of the answer tokenizes otherwise, or its chat template rewrites the answer,
+        as reasoning models' templates drop the reasoning), else neither. A request cancelled or failed keeps nothing
+        more; its prompt's copy stays (a chat client that stopped an answer sends the conversation on with what it
+        got). Call `trim` once it has left."""
         if self.prefixes is None or request.finish_reason not in ("stop", "length"):
             return
         seen = request.prompt_ids + request.token_ids[:-1]
+        whole, prompt_only = True, False
+        if request.resend is not None:
+            try:
+                resent = list(request.resend(request.text))
+            except Exception:  # the answer is served; only the choice of what to keep is lost
+                log.exception("%s: what its next turn resends is unknown: its whole cache is kept", request.id)
+                resent = seen
+            whole = resent[: len(seen)] == seen
+            prompt_only = not whole and resent[: request.prompt_tokens] == request.prompt_ids
+        if request.resend is not None and not prompt_only and len(seen) != request.prompt_tokens:
+            self.prefixes.discard(request.policy, request.prompt_ids)  # `keep_prompt`'s copy, if it is still kept
+        if whole:
+            self._put(request, seen, (lambda: cache) if row is None else (lambda: cache.fork([row])))
+
+    def _put(self, request: Request, ids: list[int], copy: Callable[[], KVCache]) -> None:
+        """Keep `copy()`, a cache that has seen `ids`, unless there is no memory for the copy."""
 
         def wanted() -> frozenset:  # what waiting requests will start from: none dropped for this one (if any must go)
             waiting = tuple(self.waiting)  # one copy in C: `submit` may append meanwhile (it holds only the queue lock)
             return self.prefixes.wanted_by((r.policy, r.prompt_ids) for r in waiting)
 
         try:
-            self.prefixes.put(request.policy, seen, cache if row is None else cache.fork([row]), wanted)
+            self.prefixes.put(request.policy, ids, copy(), wanted)
         except (torch.OutOfMemoryError, MemoryError):  # no room for the copy: a later prefill, not a failed engine
             log.warning("%s: its cache was not kept for reuse: out of memory for the copy", request.id)
 

@@ -77,6 +77,7 @@ class EagerSteps:
             runs.keep(request, cache)
             runs.trim()
             return
+        runs.keep_prompt(request, cache)  # before its first step: what it has seen is the prompt
         runs.join(request, cache, self.model.device)
 
     def decode(self, runs: Scheduler, policy: Policy) -> None:

@@ -3,9 +3,10 @@
 The server keeps a finished turn's cache and starts the next turn from it when the new prompt extends what the
 cache has seen (the prompt and the answer but its last token). The library's own run of the same conversation is
 one cache fed the first prompt (in prefill chunks), its greedy answer, then each next turn's new tokens: the
-server's answers with reuse must be that run's. A turn whose templated prompt does not extend what was seen (a
-chat template that rewrites earlier turns, an answer that tokenizes differently) starts a new cache, as the server
-does.
+server's answers with reuse must be that run's. Where the conversation as the client sends it back would not extend
+the answer's tokens (an answer that tokenizes differently, a chat template that rewrites earlier turns), the server
+keeps the cache as it was when the prompt was through (`requests.chat_resend`, scheduler.py's `keep`), and so does
+the replay: the next turn goes on from a copy of it. A turn that extends neither starts a new cache.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def check_answers(args: argparse.Namespace, convs: list) -> dict:
     from h2o_kv.runtime.generation import eos_ids, greedy_continue, prefill
     from h2o_kv.runtime.models import load_model
     from h2o_kv.runtime.serve.main import engine_settings
+    from h2o_kv.runtime.serve.requests import chat_resend
 
     flags = ["serve", *(["--policy", args.policy] if args.policy else [])]
     flags += ["--budget", args.budget] if args.budget else []
@@ -42,9 +44,13 @@ def check_answers(args: argparse.Namespace, convs: list) -> dict:
             start = len(seen)
             with torch.no_grad():
                 logits = prefill(model, cache, torch.tensor([ids[start:]]), chunk=args.prefill_chunk, start=start)
+                at_prompt = cache.fork()  # the server's copy when the prompt is through
                 answer = greedy_continue(model, cache, logits, len(ids), args.max_tokens, eos)
             seen = ids + answer[:-1]
             text = tokenizer.decode(answer, skip_special_tokens=True)
+            resent = chat_resend(tokenizer, history)(text)  # what the next turn starts with: the cache it extends
+            if resent[: len(seen)] != seen:
+                cache, seen = (at_prompt, ids) if resent[: len(ids)] == ids else (None, [])
             same = text == turn.answer
             matching += same
             details.append(dict(reused=start, server_cached=turn.cached_tokens, same=same, answer=text,

@@ -244,6 +244,103 @@ def test_the_server_reuses_a_conversation_and_counts_it():
         assert metric(url, "h2o_kv_prefix_bytes_held") > held and engine.stats()["prefix_entries"] == 2
 
 
+def one_cache_after_prompt(model, policy, prompt: list[int], rest: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """The library run of a turn that resends the prompt but not the answer's tokens: one KVCache fed the prompt, then
+    `rest` (in the engine's prefill chunks); its first token's logits and greedy answer."""
+    cache = h2o_kv.KVCache(policy, prompt_len=len(prompt))
+    with torch.no_grad():
+        prefill(model, cache, torch.tensor([prompt]), chunk=CHUNK)
+        logits = prefill(model, cache, torch.tensor([rest]), chunk=CHUNK, start=len(prompt))
+        answer = [int(logits.argmax(-1))]
+        while len(answer) < ANSWER:
+            step = torch.tensor([len(prompt) + len(rest) + len(answer) - 1])
+            answer.append(int(decode_step(model, cache, torch.tensor([answer[-1]]), step).argmax(-1)))
+    return logits[0], answer
+
+
+@pytest.mark.parametrize("policy", [h2o_kv.H2O(budget=12), h2o_kv.SnapKV(budget=0.3)], ids=["h2o-12", "snapkv-0.3"])
+def test_a_next_turn_that_rewrites_the_answer_starts_from_the_prompts_cache(policy):
+    """A client that sends the answer back otherwise (its text tokenizes differently, or a chat template drops the
+    reasoning): with `resend` saying so, the store keeps the prompt's cache as it was when the prompt was through, not
+    the answer's, and the next turn prefills only the rewritten answer and its new tokens, answering as one cache fed
+    the prompt and then those tokens."""
+    run = engine()
+    logits = first_logits(run)
+    prompt, rewritten, new = ids(40, seed=30), ids(4, seed=31), ids(9, seed=32)
+    resend = lambda text: prompt + rewritten  # noqa: E731
+    first = run.submit(prompt, max_tokens=ANSWER, ignore_eos=True, policy=policy, resend=resend)
+    run.run()
+    assert first.result().completion_tokens == ANSWER
+    assert run.stats()["prefix_entries"] == 1  # the prompt's cache; the answer's, which no next turn extends, is not
+    as_generated = ask(run, first.prompt_ids + first.token_ids + new, policy=policy)
+    assert as_generated.reused_tokens == 40  # only the prompt's cache was kept
+    second = ask(run, prompt + rewritten + new, policy=policy)
+    assert second.reused_tokens == 40
+    head, answer = one_cache_after_prompt(run.model, policy, prompt, rewritten + new)
+    assert second.token_ids == answer and torch.equal(logits[-1][0], head)
+
+
+def test_resend_keeps_the_cache_the_next_turn_extends_and_only_that():
+    policy, prompt, new = h2o_kv.H2O(budget=12), ids(30, seed=40), ids(5, seed=41)
+    whole = engine()  # the answer resent as generated: the prompt and answer's cache, the prompt's copy let go
+    first = whole.submit(prompt, max_tokens=ANSWER, ignore_eos=True, policy=policy,
+                         resend=lambda text: first.prompt_ids + first.token_ids)  # fmt: skip
+    whole.run()
+    assert whole.stats()["prefix_entries"] == 1
+    assert ask(whole, first.prompt_ids + first.token_ids + new, policy=policy).reused_tokens == 30 + ANSWER - 1
+    neither = engine()  # a next turn that extends neither: nothing kept
+    neither.submit(prompt, max_tokens=ANSWER, ignore_eos=True, policy=policy, resend=lambda text: new)
+    neither.run()
+    assert neither.stats()["prefix_entries"] == 0 and neither.stats()["prefix_bytes_held"] == 0
+    broken = engine()  # a resend that fails: logged, and the whole cache kept as without one
+
+    def fails(text):
+        raise RuntimeError("no template")
+
+    first = broken.submit(prompt, max_tokens=ANSWER, ignore_eos=True, policy=policy, resend=fails)
+    broken.run()
+    assert first.result().completion_tokens == ANSWER and broken.stats()["prefix_entries"] == 1
+    assert ask(broken, first.prompt_ids + first.token_ids + new, policy=policy).reused_tokens == 30 + ANSWER - 1
+    stopped = engine()  # an answer stopped by the client: its prompt's cache stays for the conversation going on
+    request = stopped.submit(prompt, max_tokens=50, ignore_eos=True, policy=policy, resend=lambda text: prompt + new)
+    while len(request.token_ids) < 3:
+        stopped.step()
+    request.cancel()
+    stopped.run()
+    assert request.result().finish_reason == "cancelled" and stopped.stats()["prefix_entries"] == 1
+    assert ask(stopped, prompt + request.token_ids[:2] + new, policy=policy).reused_tokens == 30
+
+
+def test_the_server_reuses_a_chat_whose_template_rewrites_earlier_answers():
+    """A chat template that drops earlier answers' text from the history, as reasoning models' templates drop the
+    reasoning: the answer's own cache can never be extended, so the server keeps the prompt's, and the next turn
+    reuses it (without `resend` it would prefill the whole conversation)."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("openai")
+    from serve_helpers import MODEL, client, running_server
+
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: "
+        "{% if m['role'] == 'assistant' %}(answered){% else %}{{ m['content'] }}{% endif %}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    question = [{"role": "user", "content": "Once upon a time, in a land far away"}]
+    with running_server(make_model("llama"), tokenizer, policy="full", prefill_chunk=CHUNK,
+                        session_memory=2**24) as (engine, url):  # fmt: skip
+        api = client(url)
+        first = api.chat.completions.create(model=MODEL, messages=question, max_tokens=ANSWER, temperature=0)
+        asked = tokenizer.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
+        history = [*question, {"role": "assistant", "content": first.choices[0].message.content},
+                   {"role": "user", "content": "and then?"}]  # fmt: skip
+        second = api.chat.completions.create(model=MODEL, messages=history, max_tokens=ANSWER, temperature=0)
+        assert second.usage.prompt_tokens_details.cached_tokens == len(asked)  # the first prompt's cache
+        assert engine.stats()["prefix_hits"] == 1
+    with running_server(make_model("llama"), tokenizer, policy="full", prefill_chunk=CHUNK) as (_, url):
+        fresh = client(url).chat.completions.create(model=MODEL, messages=history, max_tokens=ANSWER, temperature=0)
+    assert second.choices[0].message.content == fresh.choices[0].message.content
+
+
 def test_the_serve_flag_is_a_size_and_off_by_default():
     from h2o_kv.cli import build_parser
     from h2o_kv.runtime.serve.main import engine_settings

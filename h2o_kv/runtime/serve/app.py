@@ -30,9 +30,11 @@ from h2o_kv.runtime.serve.requests import (
     DEFAULT_LIMITS,
     ApiError,
     Limits,
+    chat_resend,
     prompt_ids,
     refusal,
     resolve,
+    text_resend,
 )
 from h2o_kv.runtime.serve.timeouts import ABANDON, ClientTimeouts
 
@@ -214,13 +216,16 @@ def _info_routes(app: FastAPI, engine, metrics: ServerMetrics, model_name: str, 
 
 def _completion_routes(app: FastAPI, engine, tokenizer, metrics: ServerMetrics, limits: Limits,
                        model_name: str) -> None:  # fmt: skip
-    """/v1/completions and /v1/chat/completions: tokenize, check (`requests.resolve`), submit, answer or stream."""
+    """/v1/completions and /v1/chat/completions: tokenize, check (`requests.resolve`), submit, answer or stream.
+    With prefix reuse on, each request says what its next turn resends (`requests.chat_resend`, `text_resend`)."""
+    reusing = getattr(engine, "prefixes", None) is not None
 
     @app.post("/v1/completions")
     async def completions(body: schemas.CompletionRequest, request: Request):
         _check_model(body.model, model_name)
         ids = prompt_ids(tokenizer, body.prompt, vocab_size=_vocab_size(engine, tokenizer))
-        return await _serve(request, body, ids, chat=False)
+        resend = text_resend(tokenizer, body.prompt) if reusing and isinstance(body.prompt, str) else None
+        return await _serve(request, body, ids, chat=False, resend=resend)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: schemas.ChatRequest, request: Request):
@@ -230,9 +235,9 @@ def _completion_routes(app: FastAPI, engine, tokenizer, metrics: ServerMetrics, 
         messages = [message.template_dict() for message in body.messages]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-        return await _serve(request, body, ids, chat=True)
+        return await _serve(request, body, ids, chat=True, resend=chat_resend(tokenizer, messages) if reusing else None)
 
-    async def _serve(request: Request, body: schemas._Request, ids: list[int], *, chat: bool):
+    async def _serve(request: Request, body: schemas._Request, ids: list[int], *, chat: bool, resend=None):
         arrived = time.perf_counter()
         prompt_param = "messages" if chat else "prompt"
         job = resolve(engine, body, ids, limits, prompt_param=prompt_param)
@@ -247,7 +252,7 @@ def _completion_routes(app: FastAPI, engine, tokenizer, metrics: ServerMetrics, 
         try:
             req = engine.submit(
                 ids, max_tokens=job.max_tokens, sampling=sampling, stop=stop, policy=job.policy,
-                ignore_eos=body.ignore_eos, on_event=events.put, kv_inspect=body.kv_inspect,
+                ignore_eos=body.ignore_eos, on_event=events.put, kv_inspect=body.kv_inspect, resend=resend,
             )  # fmt: skip
         except ValueError as err:  # too long for the context (ContextTooLong) or the KV memory (KVMemoryExceeded)
             raise refusal(err, prompt_param=prompt_param) from None

@@ -42,6 +42,29 @@ def prompt_ids(tokenizer, prompt: str | list[int], *, vocab_size: int) -> list[i
     return list(prompt)
 
 
+NEXT_TURN = "..."  # a next user message's stand-in: what a turn resends is read up to its text
+
+
+def chat_resend(tokenizer, messages: list[dict]):
+    """`Engine.submit`'s `resend` for a chat request: given its answer's text, the ids of the conversation as a
+    client sends it back, with the answer as an assistant message and a next user message (`NEXT_TURN`), rendered by
+    the model's template. A template that rewrites earlier turns (reasoning dropped from the history) rewrites them
+    here too, so the prefix store keeps the cache that next turn can extend."""
+
+    def resend(answer: str) -> list[int]:
+        history = [*messages, {"role": "assistant", "content": answer}, {"role": "user", "content": NEXT_TURN}]
+        text = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=False)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    return resend
+
+
+def text_resend(tokenizer, prompt: str):
+    """`Engine.submit`'s `resend` for a text completion: the prompt and the answer's text, tokenized as a client's
+    next request that sends them back (the answer's ids may tokenize otherwise)."""
+    return lambda answer: encode(tokenizer, prompt + answer, chat=False)
+
+
 def _budget(value: str | float | int) -> policies.Budget:
     """kv_budget from JSON: a string as the CLI's --budget, a number as policies.build takes it."""
     if isinstance(value, str):

@@ -106,6 +106,25 @@ def test_each_fork_answers_as_a_fresh_compression(llama, policy: str, budget: in
     assert len({tuple(o) for o in outs}) > 1  # the questions lead to different answers
 
 
+def test_answers_decoded_in_groups_of_rows_are_the_same(llama, monkeypatch) -> None:
+    """`max_rows` bounds the caches held while answers are decoded together: groups of caches, each decoded then let
+    go, give every answer and byte count of one group of all."""
+    import h2o_kv.studies.eval.shared as shared
+
+    context = random_ids(1, 40, seed=7)[0].tolist()
+    questions = [random_ids(1, n, seed=10 + n)[0].tolist() for n in (3, 5, 4)]
+    makers = {(p, b): (lambda p=p, b=b: new_cache(p, b, 40)) for p, b in
+              [("full", None), ("h2o", 12), ("snapkv", 10), ("tova", 9), ("adakv", 10)]}  # fmt: skip
+    calls = []
+    together = shared.greedy_together
+    monkeypatch.setattr(shared, "greedy_together", lambda model, caches, *a: calls.append(len(caches)) or
+                        together(model, caches, *a))  # fmt: skip
+    whole = shared_answers(llama, context, makers, questions, max_new_tokens=6)
+    grouped = shared_answers(llama, context, makers, questions, max_new_tokens=6, max_rows=7)
+    assert calls == [15, 6, 6, 3]  # two caches' three questions fit in 7 rows
+    assert list(grouped) == list(makers) and grouped == whole
+
+
 def test_cells_store_each_question_and_resume(tokenizer, tmp_path) -> None:
     """One cell per (sample, policy, budget) holds every question's answer; a rerun reuses them all and computes
     nothing. Query-aware reads each question inside its own prompt (a cell each); one-question cells keep their name."""

@@ -42,6 +42,8 @@ from h2o_kv.cache.routes import Call, Slots, attend
 from h2o_kv.policies import Full, KVzip, Policy
 from h2o_kv.runtime.generation import forward, greedy_together
 
+ROWS = 32  # (cache, question) rows decoded together at most: a step of 32 rows costs a row a sixth of its own step
+
 
 class _RecordingLayer(KVLayer):
     """A Full layer that keeps the inputs of each attention call (keys, values, queries, mask, options)."""
@@ -194,14 +196,16 @@ def shared_answers(
     eos: set[int] = frozenset(),
     done: Sequence[Callable[[list[int]], bool] | None] | None = None,
     tokenizer: Any = None,
+    max_rows: int = ROWS,
 ) -> dict[Any, tuple[list[list[int]], int]]:
     """{key: (the greedy answer to each of `questions`, the cache's kept bytes after the prompt)}: each cache of
     `caches` compresses the prompt once (replaying the one recorded prefill, or reading it itself), then each question
     (token ids) is that cache's next call, at the positions after the prompt, from its own `KVCache.fork` (the last
     from the cache itself). An empty question answers from the prompt's own last logits (query-aware). `done`: one
-    stopping test per question (or None). The answers of every cache and question are decoded together, one model
-    call a step (`greedy_together`), each cache kept until they end. The prefill is recorded at the first cache that
-    replays it, so caches that all read the prompt themselves cost no recording."""
+    stopping test per question (or None). The answers are decoded together, one model call a step (`greedy_together`)
+    over the (cache, question) rows of as many caches as fill `max_rows` (at least one cache), which are then let
+    go: the memory held is that many caches', whatever the number of configurations. The prefill is recorded at the
+    first cache that replays it, so caches that all read the prompt themselves cost no recording."""
     recorded, passed, shared, peaks = None, None, SharedAttention(), {}
     logits_needed = not all(questions)  # query-aware: a pass reads the prompt but its last token (`_own_prefill`)
     n, last = len(prompt_ids), len(questions) - 1
@@ -209,7 +213,10 @@ def shared_answers(
     if len(stops) != len(questions):
         raise ValueError(f"done: one stopping test per question ({len(questions)}), got {len(stops)}")
     rows, kv_bytes = [], {}  # one row per (cache, question): its cache, its next-token logits, its next position
+    answers: dict[Any, tuple[list[list[int]], int]] = {}
     for key, make in caches.items():
+        if rows and len(rows) + len(questions) > max_rows:
+            _decode_rows(model, rows, max_new_tokens, eos, kv_bytes, answers)
         cache = make()
         with torch.no_grad():
             if cache.settings.kv_dtype is None and not _reconstructs(cache):
@@ -233,13 +240,19 @@ def shared_answers(
                     positions = torch.arange(n, n + len(question), device=model.device).unsqueeze(0)
                     logits = forward(model, mine, ids, positions=positions)
                 rows.append((key, mine, logits, n + len(question), stops[i]))
-    with torch.no_grad():  # every answer decoded together: one model call a step for every row still going
+    _decode_rows(model, rows, max_new_tokens, eos, kv_bytes, answers)
+    return {key: answers[key] for key in caches}
+
+
+def _decode_rows(model: Any, rows: list, max_new_tokens: int, eos: set[int], kv_bytes: dict, answers: dict) -> None:
+    """The pending rows' answers, decoded together, into `answers` ({key: (answers in question order, bytes)});
+    `rows` is emptied, its caches let go."""
+    with torch.no_grad():
         outs = greedy_together(model, [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows],
                                max_new_tokens, eos, [r[4] for r in rows])  # fmt: skip
-    answers = {key: ([], kv_bytes[key]) for key in caches}
     for (key, *_), out in zip(rows, outs, strict=True):
-        answers[key][0].append(out)
-    return answers
+        answers.setdefault(key, ([], kv_bytes[key]))[0].append(out)
+    rows.clear()
 
 
 def _tokenizer_for(cache: KVCache, tokenizer: Any) -> Any:

@@ -212,11 +212,14 @@ class KVCache(Cache):
         return twin
 
     def end_prompt(self) -> None:
-        """The prompt is complete: a fraction budget keeps what it gave, and a later multi-token call (a question
-        after a compressed context) continues the sequence instead of being refused as the prompt's second part."""
+        """The prompt is complete: a fraction budget keeps what it gave, a later multi-token call (a question after a
+        compressed context) continues the sequence instead of being refused as the prompt's second part, and the
+        `headroom` joins each row's capacity now (so rows joining a batch bring their own)."""
         for layer in self.layers:
             if layer.is_initialized and layer.prompt_len is not None:
                 layer.decoded = True
+                if not layer.grown:
+                    layer._add_headroom()
 
     def reconstruction(self) -> Reconstruction:
         """KVzip's context-reconstruction pass over this empty cache, a context manager (cache/reconstruct.py;

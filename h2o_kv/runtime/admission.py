@@ -25,11 +25,13 @@ class SlotCount:
     a bounded policy's rows are kept in place (batch.py), each reserved at its capacity (plus the incoming token's
     slot, rounded up to `ROW_BLOCK` slots) from the join on, so that it never grows while it decodes. `pass_extra()`:
     the most tokens a KVzip reconstruction call adds to its chunk (`compress.piece_overhead`), asked once, when a
-    KVzip request is first counted."""
+    KVzip request is first counted. `headroom`: the engine's (`KVCache(headroom=)`), slots past a bounded capacity."""
 
     def __init__(self, config, dtype: torch.dtype, kv_dtype: str | None, mode: str, prefill_chunk: int | None,
-                 in_place: bool = False, pass_extra: Callable[[], int] = lambda: 0) -> None:  # fmt: skip
+                 in_place: bool = False, pass_extra: Callable[[], int] = lambda: 0,
+                 headroom: int = 0) -> None:  # fmt: skip
         self.config, self.mode, self.prefill_chunk, self.in_place = config, mode, prefill_chunk, in_place
+        self.headroom = headroom
         self.pass_extra = functools.cache(pass_extra)
         self.layout = kv_layout(config, dtype, kv_dtype)  # bytes of one slot over every layer and KV head
         self._layer_policies = functools.lru_cache(maxsize=256)(self._own_policies)  # admission runs every step
@@ -74,7 +76,7 @@ class SlotCount:
         if capacity is None:
             final = -(-(prompt_len + max_tokens) // GROWTH) * GROWTH
             return final, -(-prompt_len // GROWTH) * GROWTH
-        kept = int(capacity)
+        kept = int(capacity) + self.headroom  # after the prompt (`KVCache(headroom=)`); a kept prefix's fork is past it
         decode = min(kept, prompt_len + max_tokens) + 1
         if self.in_place:  # a row in place is reserved at its capacity, in blocks (`KVLayer.write_row`)
             decode = -(-(kept + 1) // ROW_BLOCK) * ROW_BLOCK

@@ -65,16 +65,21 @@ class Engine:
         session_memory: int | None = None,
         rows_in_place: bool | None = None,
         captured_steps: bool | None = None,
+        headroom: int = 0,
     ) -> None:
         """`rows_in_place`: each policy's batch keeps its rows in place, in buckets (batch.py), so a join or a leave
         copies no other row's storage; `captured_steps`: a batch's steady decode step is recorded as a CUDA graph
-        once per bucket and replayed (captured.py). None: both on a GPU, both off on a CPU."""
+        once per bucket and replayed (captured.py). None: both on a GPU, both off on a CPU. `headroom`: tokens each
+        (sequence, KV head) of a bounded cache holds past its budget once its prompt is through (`KVCache`'s): with
+        `session_memory`, a question after a kept document joins it without evicting any of it; admission counts it."""
         # the defaults must make sense; a Full default keeps `budget` for requests naming a bounded policy
         default = policies.build(policy, None if str(policy).lower() == "full" else budget, sinks=sinks)
         _servable(default)
         for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk or 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if isinstance(headroom, bool) or not isinstance(headroom, int) or headroom < 0:
+            raise ValueError(f"headroom must be a number of tokens >= 0, got {headroom!r}")
         if kv_memory is not None and (isinstance(kv_memory, bool) or not isinstance(kv_memory, int) or kv_memory < 1):
             raise ValueError(f"kv_memory must be a positive number of bytes, got {kv_memory!r}")
         if session_memory is not None and (isinstance(session_memory, bool) or not isinstance(session_memory, int)
@@ -88,8 +93,9 @@ class Engine:
         config = text_config(model.config)
         self.context_limit = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
         self.rows_in_place = model.device.type == "cuda" if rows_in_place is None else bool(rows_in_place)
+        self.headroom = headroom
         self._count = SlotCount(config, model.dtype, kv_dtype, mode, prefill_chunk, in_place=self.rows_in_place,
-                                pass_extra=lambda: piece_overhead(tokenizer))  # fmt: skip
+                                pass_extra=lambda: piece_overhead(tokenizer), headroom=headroom)  # fmt: skip
         self._lock = threading.Condition()  # guards the waiting queue (submit never waits for a step)
         self._state = threading.Lock()  # held by a step while it changes the batches; stats() reads under it
         self.session_memory = session_memory or None
@@ -275,7 +281,8 @@ class Engine:
             self.step()
 
     def _new_cache(self, request: Request) -> KVCache:
-        return KVCache(request.policy, mode=self.mode, prompt_len=request.prompt_tokens, kv_dtype=self.kv_dtype)
+        return KVCache(request.policy, mode=self.mode, prompt_len=request.prompt_tokens, kv_dtype=self.kv_dtype,
+                       headroom=self.headroom)  # fmt: skip
 
     def _new_pass(self, request: Request, cache: KVCache) -> Reconstructing:
         return Reconstructing(cache, request.prompt_ids, self.tokenizer, self.prefill_chunk, self.model.device)

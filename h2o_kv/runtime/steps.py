@@ -69,6 +69,7 @@ class EagerSteps:
             return
         try:
             runs.end_prefill(item)  # and its pass, if any, is left: ranked to the capacity
+            cache.end_prompt()  # the prompt is through: the engine's headroom joins the row's capacity
         except Exception as err:
             self.finish(request, "error", f"{type(err).__name__}: {err}")
             return

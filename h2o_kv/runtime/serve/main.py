@@ -96,6 +96,8 @@ def engine_settings(args: argparse.Namespace) -> dict:
     for flag, value in (("--max-batch", args.max_batch), ("--prefill-chunk", args.prefill_chunk)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.headroom < 0:
+        raise ValueError(f"--headroom must be >= 0, got {args.headroom}")
     return dict(
         policy=args.policy,
         budget=budget,
@@ -105,6 +107,7 @@ def engine_settings(args: argparse.Namespace) -> dict:
         sinks=args.sinks,
         kv_dtype=args.kv_dtype,
         session_memory=session_memory,
+        headroom=args.headroom,
     )
 
 
@@ -211,6 +214,10 @@ def add_parser(sub) -> None:
                        help="KV bytes (within --kv-memory) kept from finished requests, e.g. 256MiB: a prompt that "
                        "extends a kept conversation or document prefills only its new tokens; least recently used "
                        "dropped first, and whenever running requests need the room (default 0: off)")  # fmt: skip
+    serve.add_argument("--headroom", type=int, default=0,
+                       help="tokens each sequence and KV head holds past its budget once its prompt is through: "
+                       "questions after a kept document (--session-memory) join it without evicting any of it, as "
+                       "kvpress appends them (default 0)")  # fmt: skip
     serve.add_argument(
         "--kv-dtype",
         default=None,

@@ -8,7 +8,7 @@ import torch
 
 import h2o_kv
 from h2o_kv.runtime.engine import Engine
-from h2o_kv.runtime.generation import decode_step, prefill
+from h2o_kv.runtime.generation import greedy_continue, prefill
 
 from conftest import make_model, make_tokenizer, random_ids
 
@@ -27,11 +27,7 @@ def library(model, policy, document: list[int], question: list[int], headroom: i
         prefill(model, cache, torch.tensor([document]), chunk=CHUNK)
         cache.end_prompt()
         logits = prefill(model, cache, torch.tensor([question]), chunk=CHUNK, start=len(document))
-        answer = [int(logits.argmax(-1))]
-        while len(answer) < ANSWER:
-            step = torch.tensor([len(document) + len(question) + len(answer) - 1])
-            answer.append(int(decode_step(model, cache, torch.tensor([answer[-1]]), step).argmax(-1)))
-    return logits[0], answer
+        return logits[0], greedy_continue(model, cache, logits, len(document) + len(question), ANSWER)
 
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["packed", "in-place"])

@@ -7,7 +7,7 @@ import torch
 
 import h2o_kv
 from h2o_kv.runtime.engine import Engine
-from h2o_kv.runtime.generation import decode_step, prefill
+from h2o_kv.runtime.generation import decode_step, greedy_continue, prefill
 from h2o_kv.runtime.prefixes import PrefixStore
 
 from conftest import make_model, make_tokenizer, random_ids
@@ -251,11 +251,7 @@ def one_cache_after_prompt(model, policy, prompt: list[int], rest: list[int]) ->
     with torch.no_grad():
         prefill(model, cache, torch.tensor([prompt]), chunk=CHUNK)
         logits = prefill(model, cache, torch.tensor([rest]), chunk=CHUNK, start=len(prompt))
-        answer = [int(logits.argmax(-1))]
-        while len(answer) < ANSWER:
-            step = torch.tensor([len(prompt) + len(rest) + len(answer) - 1])
-            answer.append(int(decode_step(model, cache, torch.tensor([answer[-1]]), step).argmax(-1)))
-    return logits[0], answer
+        return logits[0], greedy_continue(model, cache, logits, len(prompt) + len(rest), ANSWER)
 
 
 @pytest.mark.parametrize("policy", [h2o_kv.H2O(budget=12), h2o_kv.SnapKV(budget=0.3)], ids=["h2o-12", "snapkv-0.3"])

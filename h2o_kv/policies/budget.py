@@ -23,6 +23,7 @@ NAMES = (
     "keydiff",
     "kvzip",
     "kvzipwhole",
+    "kvziplayer",
     "full",
 )
 DEFAULT = "globalkv"  # the default of generate, demo, the engine and serve: the best in docs/accuracy.md

@@ -54,11 +54,12 @@ def ask(run: Engine, prompt: list[int], **kwargs):
     return request
 
 
+@pytest.mark.parametrize("name", ["kvzip", "kvziplayer"])  # per KV head; each layer's heads ranked together (AdaKV)
 @pytest.mark.parametrize(("length", "chunk", "budget"), [(40, 16, 0.5), (33, 16, 12), (12, 16, 0.5), (45, None, 0.3)],
                          ids=["chunks", "one-token-tail", "one-chunk", "whole"])  # fmt: skip
-def test_a_kvzip_request_equals_the_library_one_cache_run(length, chunk, budget):
+def test_a_kvzip_request_equals_the_library_one_cache_run(length, chunk, budget, name):
     run = engine(chunk, session_memory=2**30)
-    prompt, policy = ids(length, seed=length), h2o_kv.KVzip(budget=budget)
+    prompt, policy = ids(length, seed=length), h2o_kv.policies.build(name, budget)
     tokens, _ = one_cache(run, prompt, policy, chunk=chunk or 512)
     assert ask(run, prompt, policy=policy).token_ids == tokens
     # what the pass kept: a request its first token ends leaves its compressed cache to the store
@@ -84,7 +85,8 @@ def test_mask_mode_and_int8_storage_equal_compress_on_the_same_cache(mode, kv_dt
 
 
 def test_concurrent_kvzip_requests_equal_their_solo_runs_within_kv_memory():
-    specs = [(40, dict()), (23, dict(budget=10)), (57, dict()), (12, dict()), (30, dict(policy="h2o", budget=8))]
+    specs = [(40, dict()), (23, dict(budget=10)), (57, dict()), (12, dict()), (30, dict(policy="h2o", budget=8)),
+             (35, dict(policy="kvziplayer", budget=0.4))]  # fmt: skip
     prompts = [(ids(n, seed=n), spec) for n, spec in specs]
     solo_run = engine()
     solo = [ask(solo_run, p, **spec).token_ids for p, spec in prompts]

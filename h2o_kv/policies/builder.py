@@ -29,9 +29,9 @@ def build(name: str, budget: Budget = None, *, sinks: int = 4) -> Policy:
     "adakv" is SnapKV with each layer's budget shared by its KV heads (AdaKV: heads x budget per layer).
     "keydiff" and "kvzip" are query-agnostic (a context compressed before its question): KeyDiff ranks by keys,
     KVzip by a reconstruction pass that `h2o_kv.compress` runs (a plain prompt call refuses it); "kvzipwhole" ranks
-    the whole cache at once when its pass ends (KVzip's own allocation: AdaKV's pooled rows, layers of their own size);
-    "kvziplayer" ranks each layer's heads together (AdaKV's pooled rows, every layer at heads x budget: the engine
-    serves it, as it does "kvzip", where a layer sized by the whole-cache ranking is not known at admission).
+    the whole cache at once when its pass ends (KVzip's own allocation: AdaKV's pooled rows, layers of their own size;
+    the engine decodes each such request in a batch of its own); "kvziplayer" ranks each layer's heads together
+    (AdaKV's pooled rows, every layer at heads x budget, so its requests batch together).
     """
     key = policy_key(name)
     if key == "full":

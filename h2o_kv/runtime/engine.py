@@ -28,10 +28,8 @@ from h2o_kv import backends, policies
 from h2o_kv.cache.attention import enable
 from h2o_kv.cache.formats import check_kv_dtype
 from h2o_kv.cache.kvcache import KVCache
-from h2o_kv.errors import InputError
 from h2o_kv.model_config import text_config
 from h2o_kv.policies import Policy
-from h2o_kv.policies.kvzip import ranks_whole_cache
 from h2o_kv.runtime.admission import SlotCount, admission_bytes
 from h2o_kv.runtime.captured import CapturedSteps
 from h2o_kv.runtime.compress import piece_overhead
@@ -73,8 +71,7 @@ class Engine:
         (sequence, KV head) of a bounded cache holds past its budget once its prompt is through (`KVCache`'s): with
         `session_memory`, a question after a kept document joins it without evicting any of it; admission counts it."""
         # the defaults must make sense; a Full default keeps `budget` for requests naming a bounded policy
-        default = policies.build(policy, None if str(policy).lower() == "full" else budget, sinks=sinks)
-        _servable(default)
+        policies.build(policy, None if str(policy).lower() == "full" else budget, sinks=sinks)
         for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk or 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -176,7 +173,6 @@ class Engine:
             if budget is None and str(name).lower() != "full":
                 budget = self.budget  # None: a request naming a bounded policy must then give its own
             built = policies.build(name, budget, sinks=self.sinks)
-        _servable(built)
         return built
 
     def kv_bytes_for(self, prompt_len: int, max_tokens: int, policy: Policy | None = None) -> int:
@@ -289,11 +285,3 @@ class Engine:
 
     def _detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def _servable(policy: Policy) -> None:
-    """Refuse a policy the engine cannot serve: KVzip's whole-cache ranking sizes each layer when its pass ends, and
-    admission sizes the rows before it."""
-    if ranks_whole_cache(policy):
-        raise InputError(f"{policy.describe()} sizes each layer by its scores: h2o_kv.compress and h2o-kv eval run "
-                         "it; the engine serves kvzip (per KV head) or adakv")  # fmt: skip

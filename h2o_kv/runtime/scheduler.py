@@ -18,12 +18,13 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import torch
 
 from h2o_kv.cache.kvcache import KVCache
 from h2o_kv.policies import Policy
+from h2o_kv.policies.kvzip import ranks_whole_cache
 from h2o_kv.runtime.admission import SlotCount
 from h2o_kv.runtime.batch import Batch, bucket
 from h2o_kv.runtime.prefixes import PrefixStore
@@ -47,7 +48,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()  # submitted, not admitted
         self.prefill: deque[tuple[Request, KVCache]] = deque()  # admitted, prompt going in
         self.passes: dict[Request, Reconstructing] = {}  # those of `prefill` that prefill in a reconstruction pass
-        self.batches: dict[Policy, Batch] = {}  # decoding, by policy
+        self.batches: dict[Hashable, Batch] = {}  # decoding, by policy (`batch_key`)
 
     @property
     def busy(self) -> bool:
@@ -174,18 +175,19 @@ class Scheduler:
 
     def join(self, request: Request, cache: KVCache, device) -> None:
         """A request whose prompt is through (first token sampled) joins its policy's batch."""
-        batch = self.batches.get(request.policy)
+        key = batch_key(request)
+        batch = self.batches.get(key)
         if batch is None:
             rows = self.max_batch if self.count.in_place else None
-            self.batches[request.policy] = Batch(request, cache, device, rows)
+            self.batches[key] = Batch(request, cache, device, rows)
         else:
             batch.join(request, cache)
 
-    def leave(self, policy: Policy, rows: list[int]) -> None:
-        """Rows of a policy's batch are done: free them, and the batch once empty."""
-        batch = self.batches[policy]
+    def leave(self, key: Hashable, rows: list[int]) -> None:
+        """Rows of a batch (`batch_key`) are done: free them, and the batch once empty."""
+        batch = self.batches[key]
         if len(rows) == len(batch):
-            del self.batches[policy]
+            del self.batches[key]
         else:
             batch.leave(rows)
         self.trim()
@@ -227,3 +229,11 @@ class Scheduler:
                 rows, row_bytes = max(rows, held), max(row_bytes, batch.cache.nbytes() // held)
             total += rows * row_bytes
         return total
+
+
+def batch_key(request: Request) -> Hashable:
+    """The decoding batch a request joins: its policy's, except that a policy ranking the whole cache (KVzip's own
+    allocation, `kvzipwhole`) sizes each layer by what the request's own pass kept, so such a request decodes in a
+    batch of its own: its layers stay the sizes its ranking gave, and admission's count (every layer at the budget,
+    the same total) is what it holds; in one batch each layer would be as wide as its widest row's."""
+    return (request.policy, request.id) if ranks_whole_cache(request.policy) else request.policy

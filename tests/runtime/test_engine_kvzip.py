@@ -9,8 +9,7 @@ import pytest
 import torch
 
 import h2o_kv
-from h2o_kv.errors import ContextTooLong, InputError, KVMemoryExceeded
-from h2o_kv.policies import AdaKV, KVzip
+from h2o_kv.errors import ContextTooLong, KVMemoryExceeded
 from h2o_kv.runtime.compress import compress_with_logits, piece_overhead
 from h2o_kv.runtime.engine import Engine
 from h2o_kv.runtime.generation import decode_step, prefill
@@ -140,17 +139,31 @@ def test_a_prompt_whose_reconstruction_calls_pass_the_context_is_refused():
     assert ask(run, ids(200 - run._count.pass_call(100), seed=1)).finish_reason == "length"
 
 
-def test_a_whole_cache_ranking_is_refused_in_one_line():
-    """KVzip's whole-cache allocation sizes each layer when the pass ends; admission sizes the rows before it: the
-    engine refuses it at submit, by name or as a Policy, and serves the next request."""
-    run = engine()
-    with pytest.raises(InputError, match="sizes each layer by its scores"):
-        run.submit(ids(40, seed=2), max_tokens=ANSWER, policy="kvzipwhole", budget=0.5)
-    with pytest.raises(InputError, match="sizes each layer by its scores"):
-        run.submit(ids(40, seed=2), max_tokens=ANSWER, policy=AdaKV(KVzip(budget=8, whole_cache=True)))
-    assert ask(run, ids(40, seed=2)).finish_reason == "length"
-    with pytest.raises(InputError, match="sizes each layer by its scores"):  # nor as the default (serve --policy)
-        Engine(make_model("llama"), make_tokenizer(), policy="kvzipwhole", budget=0.5)
+def test_a_whole_cache_ranking_is_served_each_request_in_a_batch_of_its_own():
+    """KVzip's own allocation (`kvzipwhole`): each request's pass ranks every head of every layer at once and sizes
+    its layers; the engine decodes each such request in a batch of its own, so its layers keep those sizes and what
+    it holds stays within kv_memory. Each answer equals the library's compress run, concurrent ones their solo runs."""
+    policy, LONG = h2o_kv.policies.build("kvzipwhole", 0.5), 24
+    prompts = [ids(n, seed=n) for n in (40, 31, 47)]
+    solo_run = engine()
+    solo = [ask(solo_run, p, policy=policy, max_tokens=LONG).token_ids for p in prompts]
+    answer, library = one_cache(solo_run, prompts[0], policy, n=LONG)
+    assert solo[0] == answer
+    assert len({int(n) for n in library.kept_per_head().sum(-1)}) > 1  # the ranking sized the layers unevenly
+    alone = [solo_run._count.slots(policy, len(p), LONG) for p in prompts]
+    kv_memory = 3 * max(sum(s) for s in alone) * solo_run._count.layout
+    run = engine(kv_memory=kv_memory)
+    requests = [run.submit(p, max_tokens=LONG, ignore_eos=True, policy=policy) for p in prompts]
+    decoding = 0
+    while run.step():
+        assert run.kv_bytes_in_use() <= kv_memory
+        assert all(len(batch) == 1 for batch in run._runs.batches.values())
+        assert all(b.cache.nbytes() <= b.requests[0].kv_bytes for b in run._runs.batches.values())  # as admitted
+        decoding = max(decoding, len(run._runs.batches))
+    assert [r.token_ids for r in requests] == solo and decoding == len(prompts)  # all decoding at once, apart
+    assert ask(engine(rows_in_place=True), prompts[2], policy=policy, max_tokens=LONG).token_ids == solo[2]
+    by_name = Engine(make_model("llama"), make_tokenizer(), policy="kvzipwhole", budget=0.5)  # serve --policy
+    assert by_name.generate(prompts[1], max_tokens=LONG, ignore_eos=True).token_ids == solo[1]
 
 
 def test_a_kept_prefix_is_extended_without_a_pass_as_the_library_feeds_a_question():

@@ -3,6 +3,8 @@ kept document join it without evicting any of it, as one `KVCache(headroom=)` fe
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -80,3 +82,41 @@ def test_the_serve_flag() -> None:
     assert engine_settings(parse(["serve"]))["headroom"] == 0
     with pytest.raises(ValueError, match="--headroom"):
         engine_settings(parse(["serve", "--headroom", "-1"]))
+
+
+def test_compress_a_document_once_and_ask_many_through_the_api() -> None:
+    """The server's "compress once, answer many": the document alone (one token asked) is compressed by KVzip's own
+    allocation and kept; each question then starts from a fork of it, and its tokens and answer join it within the
+    headroom. Each answer equals the library's: `compress` on the document, `end_prompt`, a fork fed the question."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("openai")
+    from h2o_kv.runtime.compress import compress_with_logits
+
+    from serve_helpers import MODEL, client, running_server
+
+    model, tokenizer = make_model("llama"), make_tokenizer()
+    policy, document = h2o_kv.policies.build("kvzipwhole", 0.5), ids(40, seed=5)
+    questions = [ids(6, seed=6), ids(8, seed=7)]
+    with running_server(model, tokenizer, policy="kvzipwhole", budget=0.5, prefill_chunk=CHUNK, headroom=HEADROOM,
+                        session_memory=2**26) as (engine, url):  # fmt: skip
+        api = client(url)
+        api.completions.create(model=MODEL, prompt=document, max_tokens=1, temperature=0)
+        for _ in range(200):  # the answer comes from the held prompt; the pass then ends and the cache is kept
+            if engine.stats()["prefix_entries"]:
+                break
+            time.sleep(0.05)
+        replies = [api.completions.create(model=MODEL, prompt=document + q, max_tokens=ANSWER, temperature=0,
+                                          extra_body={"ignore_eos": True}) for q in questions]  # fmt: skip
+    compressed = h2o_kv.KVCache(policy, prompt_len=len(document), headroom=HEADROOM)
+    compress_with_logits(model, torch.tensor([document]), policy, tokenizer=tokenizer, chunk=CHUNK, cache=compressed)
+    compressed.end_prompt()
+    for reply, question in zip(replies, questions, strict=True):
+        assert reply.usage.prompt_tokens_details.cached_tokens == len(document)
+        cache = compressed.fork()
+        with torch.no_grad():
+            logits = prefill(model, cache, torch.tensor([question]), chunk=CHUNK, start=len(document))
+            answer = greedy_continue(model, cache, logits, len(document) + len(question), ANSWER)
+        assert reply.choices[0].text == tokenizer.decode(answer, skip_special_tokens=True)
+        assert cache.kept_per_head().sum() == compressed.kept_per_head().sum() + cache.kept_per_head().numel() * (
+            len(question) + ANSWER - 1
+        )  # every token after the document appended: none of it evicted

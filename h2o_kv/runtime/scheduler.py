@@ -56,14 +56,29 @@ class Scheduler:
         return bool(self.prefill or self.batches)
 
     def admit(self) -> None:
-        """Move waiting requests to the prefill queue while their KV memory fits (FIFO: none overtakes the head)."""
+        """Move waiting requests to the prefill queue while their KV memory fits (FIFO: none overtakes the head), and
+        while the head's prefix is not about to be kept (`_prefix_coming`)."""
         while self.waiting and self.running() < self.max_batch:
             request = self.waiting[0]
             room = None if self.kv_memory is None else self.kv_memory - self.projected(request)
-            if room is not None and room < 0:
+            if (room is not None and room < 0) or self._prefix_coming(request):
                 return
             self.waiting.popleft()
             self.prefill.append((request, self._start(request, room)))
+
+    def _prefix_coming(self, request: Request) -> bool:
+        """Whether a prompt still going in under `request`'s policy is a proper prefix of its prompt and will be kept
+        as it stands once through: its first token ended it (a KVzip document asked for one token answers before its
+        pass ends, and is kept after it) or its next turn is known (`Request.resend`: `keep_prompt`). The request then
+        waits the few steps to start from it rather than prefill the same prefix beside it."""
+        if self.prefixes is None:
+            return False
+        ids = request.prompt_ids
+        return any(
+            other.policy == request.policy and (other.done or other.resend is not None)
+            and other.prompt_tokens < len(ids) and ids[: other.prompt_tokens] == other.prompt_ids
+            for other, _ in self.prefill
+        )  # fmt: skip
 
     def prefill_turn(self, chunk: int | None) -> list[tuple[Request, KVCache]]:
         """The prompts that get a chunk this step, in order: the oldest, after the oldest of the others whose prompt

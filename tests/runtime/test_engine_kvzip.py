@@ -166,6 +166,26 @@ def test_a_whole_cache_ranking_is_served_each_request_in_a_batch_of_its_own():
     assert by_name.generate(prompts[1], max_tokens=LONG, ignore_eos=True).token_ids == solo[1]
 
 
+@pytest.mark.parametrize("name", ["kvzip", "kvzipwhole"])
+def test_a_question_sent_during_the_documents_pass_waits_for_it(name):
+    """A document asked for one token answers from its held prompt, before its pass ends; a question sent then (the
+    document plus its tokens) waits the pass's steps and starts from the kept document, not from a prefill beside it,
+    answering as the library's compress and then the question."""
+    run, policy = engine(session_memory=2**30), h2o_kv.policies.build(name, 12)
+    document, question = ids(40, seed=9), ids(7, seed=10)
+    first = run.submit(document, max_tokens=1, policy=policy)
+    while not first.done:
+        run.step()
+    assert run._runs.passes  # answered; the pass goes on
+    asked = run.submit(document + question, max_tokens=ANSWER, ignore_eos=True, policy=policy)
+    run.run()
+    assert asked.reused_tokens == 40
+    cache, _ = compress_with_logits(run.model, torch.tensor([document]), policy, tokenizer=run.tokenizer, chunk=CHUNK)
+    with torch.no_grad():
+        logits = prefill(run.model, cache, torch.tensor([question]), chunk=CHUNK, start=40)
+    assert asked.token_ids == greedy(run.model, cache, logits, 47, ANSWER)
+
+
 def test_a_kept_prefix_is_extended_without_a_pass_as_the_library_feeds_a_question():
     run, policy = engine(session_memory=2**30), h2o_kv.KVzip(budget=12)
     first = ask(run, ids(40, seed=7), policy=policy)

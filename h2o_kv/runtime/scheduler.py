@@ -131,25 +131,26 @@ class Scheduler:
         """A request ended: with a prefix store, and an answer (not cancelled, no error), keep what its cache has seen
         (prompt and answer but its last token, never fed). `row`: its row of a batch's cache, copied (the batch goes
         on; the copy is the row's slots); None: `cache` is its own and is kept as is. With `Request.resend`, what the
-        next turn will start with decides: the prompt and answer's cache if it extends them, else the prompt's alone
-        (`keep_prompt`: the client's text of the answer tokenizes otherwise, or its chat template rewrites the answer,
-        as reasoning models' templates drop the reasoning), else neither. A request cancelled or failed keeps nothing
-        more; its prompt's copy stays (a chat client that stopped an answer sends the conversation on with what it
-        got). Call `trim` once it has left."""
+        next turn will start with decides: the prompt and answer's cache if it extends them (the prompt's copy is then
+        let go), else the prompt's copy alone (`keep_prompt`: the client's text of the answer tokenizes otherwise, or
+        its chat template rewrites the answer, as reasoning models' templates drop the reasoning; or the next request
+        extends the prompt without the answer, as questions after a document do). A cache that has seen only the
+        prompt (the answer's one token never fed) is kept whatever the next turn. A request cancelled or failed keeps
+        nothing more; its prompt's copy stays (a chat client that stopped an answer sends the conversation on with what
+        it got). Call `trim` once it has left."""
         if self.prefixes is None or request.finish_reason not in ("stop", "length"):
             return
         seen = request.prompt_ids + request.token_ids[:-1]
-        whole, prompt_only = True, False
-        if request.resend is not None:
+        whole = True
+        if request.resend is not None and len(seen) > request.prompt_tokens:
             try:
                 resent = list(request.resend(request.text))
             except Exception:  # the answer is served; only the choice of what to keep is lost
                 log.exception("%s: what its next turn resends is unknown: its whole cache is kept", request.id)
                 resent = seen
             whole = resent[: len(seen)] == seen
-            prompt_only = not whole and resent[: request.prompt_tokens] == request.prompt_ids
-        if request.resend is not None and not prompt_only and len(seen) != request.prompt_tokens:
-            self.prefixes.discard(request.policy, request.prompt_ids)  # `keep_prompt`'s copy, if it is still kept
+            if whole:
+                self.prefixes.discard(request.policy, request.prompt_ids)  # `keep_prompt`'s copy: not needed
         if whole:
             self._put(request, seen, (lambda: cache) if row is None else (lambda: cache.fork([row])))
 

@@ -284,10 +284,15 @@ def test_resend_keeps_the_cache_the_next_turn_extends_and_only_that():
     whole.run()
     assert whole.stats()["prefix_entries"] == 1
     assert ask(whole, first.prompt_ids + first.token_ids + new, policy=policy).reused_tokens == 30 + ANSWER - 1
-    neither = engine()  # a next turn that extends neither: nothing kept
-    neither.submit(prompt, max_tokens=ANSWER, ignore_eos=True, policy=policy, resend=lambda text: new)
-    neither.run()
-    assert neither.stats()["prefix_entries"] == 0 and neither.stats()["prefix_bytes_held"] == 0
+    other = engine()  # a next turn that does not extend the answer: the prompt's copy, for whatever extends it
+    other.submit(prompt, max_tokens=ANSWER, ignore_eos=True, policy=policy, resend=lambda text: new)
+    other.run()
+    assert other.stats()["prefix_entries"] == 1
+    assert ask(other, prompt + new, policy=policy).reused_tokens == 30  # a question after the document, say
+    one = engine()  # a one-token answer: its cache has seen only the prompt, and is kept whatever the next turn
+    one.submit(prompt, max_tokens=1, policy=policy, resend=lambda text: new)
+    one.run()
+    assert ask(one, prompt + new, policy=policy).reused_tokens == 30
     broken = engine()  # a resend that fails: logged, and the whole cache kept as without one
 
     def fails(text):

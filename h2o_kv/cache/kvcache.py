@@ -30,6 +30,12 @@ from h2o_kv.policies import MAX_TOKENS, Policy
 __all__ = ["KVCache", "KVLayer", "Mode"]
 
 
+def check_headroom(headroom: int) -> None:
+    """Refuse a `headroom` that is not a count of tokens (`KVCache`'s, the engine's)."""
+    if isinstance(headroom, bool) or not isinstance(headroom, int) or not 0 <= headroom <= MAX_TOKENS:
+        raise ValueError(f"headroom must be an int of tokens in [0, {MAX_TOKENS}], got {headroom!r}")
+
+
 class KVCache(Cache):
     """A bounded KV cache for transformers models, evicting with `policy` (H2O, Local, ...).
 
@@ -67,8 +73,7 @@ class KVCache(Cache):
                 raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
             if value is not None and not 0 < value <= MAX_TOKENS:
                 raise ValueError(f"{name} must be a positive int (at most {MAX_TOKENS}), got {value!r}")
-        if isinstance(headroom, bool) or not isinstance(headroom, int) or not 0 <= headroom <= MAX_TOKENS:
-            raise ValueError(f"headroom must be an int of tokens in [0, {MAX_TOKENS}], got {headroom!r}")
+        check_headroom(headroom)
         check_kv_dtype(kv_dtype)
         kernels = native.resolve(compile_kernel)
         self.settings = Settings(policy, mode, prefill_chunk, prompt_len, kv_dtype=kv_dtype, compile_kernel=kernels,

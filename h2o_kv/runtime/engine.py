@@ -27,7 +27,7 @@ import torch
 from h2o_kv import backends, policies
 from h2o_kv.cache.attention import enable
 from h2o_kv.cache.formats import check_kv_dtype
-from h2o_kv.cache.kvcache import KVCache
+from h2o_kv.cache.kvcache import KVCache, check_headroom
 from h2o_kv.model_config import text_config
 from h2o_kv.policies import Policy
 from h2o_kv.runtime.admission import SlotCount, admission_bytes
@@ -75,8 +75,7 @@ class Engine:
         for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk or 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if isinstance(headroom, bool) or not isinstance(headroom, int) or headroom < 0:
-            raise ValueError(f"headroom must be a number of tokens >= 0, got {headroom!r}")
+        check_headroom(headroom)
         if kv_memory is not None and (isinstance(kv_memory, bool) or not isinstance(kv_memory, int) or kv_memory < 1):
             raise ValueError(f"kv_memory must be a positive number of bytes, got {kv_memory!r}")
         if session_memory is not None and (isinstance(session_memory, bool) or not isinstance(session_memory, int)

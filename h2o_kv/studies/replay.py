@@ -49,8 +49,8 @@ def check_answers(args: argparse.Namespace, convs: list) -> dict:
             seen = ids + answer[:-1]
             text = tokenizer.decode(answer, skip_special_tokens=True)
             resent = chat_resend(tokenizer, history)(text)  # what the next turn starts with: the cache it extends
-            if resent[: len(seen)] != seen:
-                cache, seen = (at_prompt, ids) if resent[: len(ids)] == ids else (None, [])
+            if resent[: len(seen)] != seen:  # the server keeps the prompt's copy; the next turn may extend it
+                cache, seen = at_prompt, ids
             same = text == turn.answer
             matching += same
             details.append(dict(reused=start, server_cached=turn.cached_tokens, same=same, answer=text,

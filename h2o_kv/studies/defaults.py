@@ -113,7 +113,7 @@ def run(models: Sequence[str], out: Path, *, words: int, compared: Sequence[str]
             ids = encode(tokenizer, prompt(text, question))
             start = time.perf_counter()
             answers = shared_greedy(model, ids, caches, max_new_tokens=max_new_tokens, eos=eos,
-                                    done=first_line(tokenizer))  # fmt: skip
+                                    done=first_line(tokenizer), tokenizer=tokenizer)  # fmt: skip
             for key, make in chunked.items():
                 answers[key] = _chunked(model, ids, make, max_new_tokens, eos, first_line(tokenizer))
             cells = {}

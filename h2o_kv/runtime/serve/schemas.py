@@ -14,6 +14,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
+from h2o_kv.policies.budget import NAMES
+
+POLICY_FIELD = f"the KV policy, one of {', '.join(NAMES)} (h2o-kv extension; the server's --policy by default)"
+
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 
 
@@ -37,7 +41,7 @@ class _Request(BaseModel):
     n: int = 1
     logprobs: Any = None
     user: str | None = None
-    kv_policy: str | None = Field(None, description="h2o, local, streamingllm, tova or full (h2o-kv extension)")
+    kv_policy: str | None = Field(None, description=POLICY_FIELD)
     kv_budget: str | float | int | None = Field(None, description="tokens (64) or a prompt fraction (0.2 or '20%')")
     ignore_eos: StrictBool = False  # generate exactly max_tokens (benchmarks; as vLLM's extension)
     # the reply's `kv_inspect`: which cached rows still held each prompt position at the end (`KeptMap.summary`)

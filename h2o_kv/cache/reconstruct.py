@@ -195,8 +195,9 @@ def rank_whole_cache(layers: list) -> None:
     (layer, KV head) of `layers` (head-pooled rows) ranked together, per sequence. The lowest priorities go first,
     ties to the oldest position, then the lower layer, then the lower head, until each sequence holds the sum of the
     layers' capacities; each (layer, KV head) keeps at least its best-scored token. Each layer's capacity becomes
-    what it holds, so decoding afterwards keeps each layer at its share. Frees only: the caller's eviction then finds
-    nothing over capacity and compacts."""
+    what it holds, so decoding afterwards keeps each layer at its share; a sequence that lost nothing (its context
+    within the budget: a short prompt under a token budget) keeps each layer's own capacity. Frees only: the
+    caller's eviction then finds nothing over capacity and compacts."""
     if not layers:
         return
     valid, priority, protect = [], [], []
@@ -221,5 +222,7 @@ def rank_whole_cache(layers: list) -> None:
         layer._free(evict[:, start : start + width].unsqueeze(1))
         start += width
         held = (layer.pos >= 0).sum(-1).view(-1, 1)  # [B, 1]
+        own = layer.capacity.view(-1, 1).to(held.dtype)  # a sequence that lost nothing keeps every layer's own
+        held = torch.where((excess > 0).view(-1, 1), held, own)
         layer.capacity = held.to(layer.capacity.dtype)
         layer.max_capacity, layer.min_capacity = int(held.max()), int(held.min())

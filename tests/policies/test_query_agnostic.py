@@ -197,6 +197,20 @@ def test_kvzip_whole_cache_ranks_every_layer_together_and_decodes_at_each_layers
         assert kept_positions(layer) == ref_kept and sum(map(len, ref_kept)) == size
 
 
+@pytest.mark.parametrize("name", ["kvzip", "kvzipwhole"])
+def test_a_context_within_the_budget_decodes_up_to_it(name, tiny_tokenizer):
+    """A short prompt under a token budget loses nothing in KVzip's pass, and its cache then holds up to the budget
+    per (layer, KV head) while decoding, per head or ranked as one cache (whose layers would otherwise shrink to the
+    prompt and evict from the first generated token)."""
+    model = make_model("llama")
+    cache = compress(model, random_ids(1, 20, seed=3), build(name, 32), tokenizer=tiny_tokenizer, chunk=16)
+    assert cache.kept_tokens == 20
+    with torch.no_grad():
+        for step in range(20):
+            model(random_ids(1, 1, seed=step), past_key_values=cache, use_cache=True)
+    assert cache.seen_tokens == 40 and cache.kept_tokens == 32  # 12 evicted: the budget, not the prompt's 20
+
+
 def test_whole_cache_needs_pooled_rows_and_is_not_served():
     with pytest.raises(ValueError, match="AdaKV"):
         Reconstruction(Settings(KVzip(budget=4, whole_cache=True)), [])

@@ -195,14 +195,12 @@ class Rows:
         self.kept_bound = 0 if empty else int(self.occupied().max())
 
     def _reserve(self, needed: int) -> None:
-        """Grow the slot storage to at least `needed` slots, in blocks of `GROWTH`; a bounded layer's blocks stop at
-        its capacity and the incoming token's slots. Growing copies every slot, so a layer below its capacity (a
-        short prompt, or `headroom` taking a question and its answer) does not copy its cache at every decode step."""
+        """Grow the slot storage to at least `needed` slots (in blocks when unbounded)."""
         have = self.keys.shape[2]
         if needed <= have:
             return
-        block = -(-needed // GROWTH) * GROWTH
-        needed = block if self.max_capacity is None else max(needed, min(block, self.max_capacity + self.spare))
+        if self.max_capacity is None:
+            needed = -(-needed // GROWTH) * GROWTH
         for name in SLOT_FIELDS:
             if getattr(self, name) is not None:
                 setattr(self, name, grow(getattr(self, name), needed - have, -1 if name == "pos" else 0))

@@ -237,6 +237,16 @@ def test_int8_storage_batches_like_solo_and_stays_within_its_admission_size():
         Engine(make_model("llama"), make_tokenizer(), kv_dtype="int4")
 
 
+def test_rows_short_of_their_capacity_hold_no_more_than_admission_counted():
+    """Requests whose prompt and answer stay under a token budget are admitted by what they can fill (prompt +
+    max_tokens + 1 slots per KV head, not the budget); their rows grow no further than that while they decode."""
+    engine = Engine(make_model("llama"), make_tokenizer(), policy="h2o", budget=64)
+    handles = [engine.submit(prompt(10 + i, seed=i), max_tokens=12, ignore_eos=True) for i in range(4)]
+    while engine.step():
+        assert engine.kv_bytes_in_use() <= engine.stats()["kv_bytes_reserved"]
+    assert all(h.result().completion_tokens == 12 for h in handles)
+
+
 def test_a_top_p_below_float32s_range_keeps_the_most_likely_token():
     """top_p=5e-324 (found by the server's fuzzer) once masked every token and crashed the sampler."""
     from h2o_kv.runtime.generation import sample

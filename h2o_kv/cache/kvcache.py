@@ -285,6 +285,13 @@ class KVCache(Cache):
         """Kept tokens as [layers, batch, kv_heads]."""
         return torch.stack([layer.kept() for layer in self.layers])
 
+    def layers_alike(self) -> bool:
+        """Whether every layer holds each sequence at the same capacity (a host sync per layer). KVzip ranked as one
+        cache (`kvzipwhole`) sizes the layers apart when its pass evicted; a context within the budget leaves them
+        alike, as every other policy does."""
+        sized = [layer.capacity for layer in self.layers if layer.is_initialized and layer.capacity is not None]
+        return all(torch.equal(size.view(-1), sized[0].view(-1)) for size in sized[1:])
+
     def nbytes(self) -> int:
         """Bytes the cache has allocated now (keys, values and the per-slot bookkeeping), the slots its storage
         reserved ahead included: the memory it takes."""

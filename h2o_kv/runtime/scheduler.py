@@ -191,7 +191,7 @@ class Scheduler:
 
     def join(self, request: Request, cache: KVCache, device) -> None:
         """A request whose prompt is through (first token sampled) joins its policy's batch."""
-        key = batch_key(request)
+        key = batch_key(request, cache)
         batch = self.batches.get(key)
         if batch is None:
             rows = self.max_batch if self.count.in_place else None
@@ -247,9 +247,13 @@ class Scheduler:
         return total
 
 
-def batch_key(request: Request) -> Hashable:
-    """The decoding batch a request joins: its policy's, except that a policy ranking the whole cache (KVzip's own
-    allocation, `kvzipwhole`) sizes each layer by what the request's own pass kept, so such a request decodes in a
-    batch of its own: its layers stay the sizes its ranking gave, and admission's count (every layer at the budget,
-    the same total) is what it holds; in one batch each layer would be as wide as its widest row's."""
-    return (request.policy, request.id) if ranks_whole_cache(request.policy) else request.policy
+def batch_key(request: Request, cache: KVCache) -> Hashable:
+    """The decoding batch a request joins, its prompt through `cache`: its policy's, except that a policy ranking the
+    whole cache (KVzip's own allocation, `kvzipwhole`) sizes each layer by what the request's own pass kept, so such a
+    request whose layers came apart decodes in a batch of its own: its layers stay the sizes its ranking gave, and
+    admission's count (every layer at the budget, the same total) is what it holds; in one batch each layer would be
+    as wide as its widest row's. One whose pass evicted nothing (a prompt within the budget) has every layer at the
+    budget, as admitted, and joins its policy's batch."""
+    if ranks_whole_cache(request.policy) and not cache.layers_alike():
+        return (request.policy, request.id)
+    return request.policy

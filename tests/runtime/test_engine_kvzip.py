@@ -166,6 +166,25 @@ def test_a_whole_cache_ranking_is_served_each_request_in_a_batch_of_its_own():
     assert by_name.generate(prompts[1], max_tokens=LONG, ignore_eos=True).token_ids == solo[1]
 
 
+def test_whole_cache_requests_whose_pass_evicted_nothing_decode_together():
+    """`kvzipwhole` requests whose prompts fit the budget lose nothing in their pass, so every layer stays at the
+    budget (as admitted): they decode together in their policy's batch, one whose pass evicted decodes alone beside
+    them, and every answer equals its solo run."""
+    policy, LONG = h2o_kv.policies.build("kvzipwhole", 32), 12
+    prompts = [ids(n, seed=n) for n in (10, 14, 20, 45)]  # the last is over the budget: its pass ranks
+    solo_run = engine()
+    solo = [ask(solo_run, p, policy=policy, max_tokens=LONG).token_ids for p in prompts]
+    run = engine()
+    requests = [run.submit(p, max_tokens=LONG, ignore_eos=True, policy=policy) for p in prompts]
+    together = 0
+    while run.step():
+        batches = run._runs.batches
+        together = max(together, len(batches.get(policy, ())))
+        assert all(batch.requests == [requests[3]] for key, batch in batches.items() if key != policy)
+        assert run.kv_bytes_in_use() <= run._runs.projected()  # what admission counted: each batch at its widest
+    assert [r.token_ids for r in requests] == solo and together == 3
+
+
 @pytest.mark.parametrize("name", ["kvzip", "kvzipwhole"])
 def test_a_question_sent_during_the_documents_pass_waits_for_it(name):
     """A document asked for one token answers from its held prompt, before its pass ends; a question sent then (the

@@ -54,7 +54,7 @@ def main() -> None:
     if not args.kvzip:
         return
     start = time.perf_counter()
-    passed = record_pass(model, ids, tokenizer)
+    _, passed = record_pass(model, ids, tokenizer)
     print(f"KVzip's pass recorded once: {time.perf_counter() - start:.1f} s")
     peaks = {}
     for policy in args.kvzip.split(","):

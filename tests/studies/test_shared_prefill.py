@@ -60,7 +60,7 @@ def test_kvzip_pass_recorded_once_leaves_each_cache_as_its_own_pass(llama, polic
 
     tokenizer = make_tokenizer()
     ids = random_ids(1, 40, seed=5)
-    calls = record_pass(llama, ids[0].tolist(), tokenizer, chunk=16)
+    _, calls = record_pass(llama, ids[0].tolist(), tokenizer, chunk=16)
     assert all(len(layer) == len(calls[0]) == 4 for layer in calls)  # the held call, then 3 reconstruction calls
     peaks = {}
     for budget in budgets:
@@ -112,19 +112,21 @@ def test_shared_answers_equal_each_policy_run_alone(llama) -> None:
 
 
 def test_kvzip_query_aware_answers_as_its_own_pass(llama) -> None:
-    """Query-aware (the question inside the prompt): KVzip's recorded pass covers the prompt but its last token,
-    which then comes as the next call for the first logits, as `compress` on the rest and that call give; per head and
-    whole cache, from one recording."""
-    from h2o_kv.runtime.compress import compress
+    """Query-aware (the question inside the prompt): KVzip's recorded pass covers the whole prompt and the first token
+    comes from its held call, as `compress_with_logits` and a served request give it (and kvpress, whose press
+    compresses the prompt call that gives the first token); per head and whole cache, from one recording, int8
+    storage from a pass of its own."""
+    from h2o_kv.runtime.compress import compress_with_logits
 
     tokenizer = make_tokenizer()
     prompt = random_ids(1, 41, seed=6)[0].tolist()
-    makers = {p: (lambda p=p: new_cache(p, 10, 40)) for p in ("kvzip", "kvzipwhole")}
+    makers = {p: (lambda p=p: new_cache(p, 10, 41)) for p in ("kvzip", "kvzipwhole", "kvzip-int8")}
     shared = shared_greedy(llama, prompt, makers, max_new_tokens=8, tokenizer=tokenizer)
+    full = shared_greedy(llama, prompt, {"full": lambda: new_cache("full", None, 41)}, max_new_tokens=1)
     for policy in makers:
-        alone = compress(llama, torch.tensor([prompt[:-1]]), cache=makers[policy](), tokenizer=tokenizer)
-        logits = forward(llama, alone, torch.tensor([prompt[-1:]]), positions=torch.tensor([[40]]))
+        alone, logits = compress_with_logits(llama, torch.tensor([prompt]), cache=makers[policy](), tokenizer=tokenizer)
         assert shared[policy][0] == greedy_continue(llama, alone, logits, 41, 8), policy
+        assert shared[policy][0][0] == full["full"][0][0]  # the held call's next token is the full prompt's
 
 
 def test_int8_storage_is_refused(llama) -> None:

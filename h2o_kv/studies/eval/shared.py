@@ -23,7 +23,9 @@ replay that asks for no scores (StreamingLLM, KeyDiff, Full) attends not at all,
 KVzip's pass (``policy.reconstructs``, `h2o_kv.compress`) is recorded once per prompt too: during the pass nothing is
 evicted, so its held call and its reconstruction calls see the same context whatever the budget or the allocation
 (per head, or `whole_cache`); `record_pass` runs it once on a cache that keeps every token, and `replay_pass` feeds
-those calls into each KVzip cache inside its own pass, which scores and ranks as `compress` would. A cache that
+those calls into each KVzip cache inside its own pass, which scores and ranks as `compress` would; query-aware, its
+first token comes from the pass's held call (every prompt token in the cache), as a served request's and kvpress's
+do (`compress_with_logits`). A cache that
 cannot take recorded calls reads the prompt itself (`_own_prefill`): int8 storage (its attention runs on rounded
 keys), so any policy `policies.build` knows is one more entry of a study.
 """
@@ -77,17 +79,21 @@ def record_prefill(model: Any, prompt_ids: Sequence[int]) -> tuple[torch.Tensor,
     return logits, recording.calls
 
 
-def record_pass(model: Any, prompt_ids: Sequence[int], tokenizer: Any, *, chunk: int | None = None) -> list[list]:
-    """KVzip's pass over one prompt (batch 1), run once by `h2o_kv.compress` on a cache that keeps every token: each
-    layer's attention calls, the held context's first, then one per reconstruction call (`replay_pass` feeds them).
-    `chunk`: context tokens per reconstruction call (`compress`'s default without one)."""
-    from h2o_kv.runtime.compress import CHUNK, compress
+def record_pass(
+    model: Any, prompt_ids: Sequence[int], tokenizer: Any, *, chunk: int | None = None
+) -> tuple[torch.Tensor, list[list]]:
+    """KVzip's pass over one prompt (batch 1), run once by `h2o_kv.compress` on a cache that keeps every token: the
+    held call's last logits [1, V] (the next token's, every prompt token in the cache: as a served request and
+    kvpress take the first token) and each layer's attention calls, the held context's first, then one per
+    reconstruction call (`replay_pass` feeds them). `chunk`: context tokens per reconstruction call (`compress`'s
+    default without one)."""
+    from h2o_kv.runtime.compress import CHUNK, compress_with_logits
 
     recording = _Recording(KVzip(budget=max(2, len(prompt_ids))))
     with torch.no_grad():
         ids = torch.tensor([list(prompt_ids)], device=model.device)
-        compress(model, ids, cache=recording, tokenizer=tokenizer, chunk=chunk or CHUNK)
-    return recording.calls
+        _, logits = compress_with_logits(model, ids, cache=recording, tokenizer=tokenizer, chunk=chunk or CHUNK)
+    return logits, recording.calls
 
 
 def replay_pass(cache: KVCache, calls: list[list], peaks: dict | None = None) -> KVCache:
@@ -207,7 +213,7 @@ def shared_answers(
     go: the memory held is that many caches', whatever the number of configurations. The prefill is recorded at the
     first cache that replays it, so caches that all read the prompt themselves cost no recording."""
     recorded, passed, shared, peaks = None, None, SharedAttention(), {}
-    logits_needed = not all(questions)  # query-aware: a pass reads the prompt but its last token (`_own_prefill`)
+    logits_needed = not all(questions)  # query-aware: the first token from the prompt's own (held) call
     n, last = len(prompt_ids), len(questions) - 1
     stops = [None] * len(questions) if done is None else list(done)
     if len(stops) != len(questions):
@@ -224,11 +230,10 @@ def shared_answers(
                 first = recorded[0]
                 replay(cache, recorded[1], shared)
                 cache.end_prompt()  # the prompt is complete: a question is its next call, the headroom counts
-            elif cache.settings.kv_dtype is None:  # KVzip: its pass recorded once (query-aware: but the last token)
-                body = prompt_ids[:-1] if logits_needed else prompt_ids
-                passed = passed or record_pass(model, body, _tokenizer_for(cache, tokenizer))
-                replay_pass(cache, passed, peaks)
-                first = _last_token(model, cache, prompt_ids) if logits_needed else None
+            elif cache.settings.kv_dtype is None:  # KVzip: its pass recorded once, the first token from its held call
+                passed = passed or record_pass(model, prompt_ids, _tokenizer_for(cache, tokenizer))
+                replay_pass(cache, passed[1], peaks)
+                first = passed[0] if logits_needed else None
             else:
                 first = _own_prefill(model, cache, prompt_ids, tokenizer, logits_needed=logits_needed)
             kv_bytes[key] = cache.kept_nbytes()
@@ -267,23 +272,13 @@ def _reconstructs(cache: KVCache) -> bool:
 
 def _own_prefill(model: Any, cache: KVCache, ids: Sequence[int], tokenizer: Any, *, logits_needed: bool):
     """The prompt read into `cache` by itself: in one call, or by `h2o_kv.compress` for a policy with a pass of its
-    own (the prompt's last token then comes as the next call when its logits are needed: query-aware)."""
+    own (the first token then from its held call's logits when they are needed: query-aware)."""
     tensor = torch.tensor([list(ids)], device=model.device)
     if not _reconstructs(cache):
         logits = forward(model, cache, tensor)
         cache.end_prompt()  # as a replayed cache: a question is the next call, the headroom counts
         return logits
-    from h2o_kv.runtime.compress import compress
+    from h2o_kv.runtime.compress import compress_with_logits
 
-    tokenizer = _tokenizer_for(cache, tokenizer)
-    if not logits_needed:
-        compress(model, tensor, cache=cache, tokenizer=tokenizer)
-        return None
-    compress(model, tensor[:, :-1], cache=cache, tokenizer=tokenizer)
-    return _last_token(model, cache, ids)
-
-
-def _last_token(model: Any, cache: KVCache, ids: Sequence[int]) -> torch.Tensor:
-    """The prompt's last token as the call after a pass over the others: the next token's logits [1, V]."""
-    last = torch.tensor([[len(ids) - 1]], device=model.device)
-    return forward(model, cache, torch.tensor([[ids[-1]]], device=model.device), positions=last)
+    _, logits = compress_with_logits(model, tensor, cache=cache, tokenizer=_tokenizer_for(cache, tokenizer))
+    return logits if logits_needed else None

@@ -30,8 +30,8 @@ def build(name: str, budget: Budget = None, *, sinks: int = 4) -> Policy:
     "keydiff" and "kvzip" are query-agnostic (a context compressed before its question): KeyDiff ranks by keys,
     KVzip by a reconstruction pass that `h2o_kv.compress` runs (a plain prompt call refuses it); "kvzipwhole" ranks
     the whole cache at once when its pass ends (KVzip's own allocation: AdaKV's pooled rows, layers of their own size;
-    the engine decodes each such request in a batch of its own); "kvziplayer" ranks each layer's heads together
-    (AdaKV's pooled rows, every layer at heads x budget, so its requests batch together).
+    the engine decodes such a request in a batch of its own once its pass has evicted); "kvziplayer" ranks each
+    layer's heads together (AdaKV's pooled rows, every layer at heads x budget, so its requests batch together).
     """
     key = policy_key(name)
     if key == "full":

@@ -25,9 +25,8 @@ evicted, so its held call and its reconstruction calls see the same context what
 (per head, or `whole_cache`); `record_pass` runs it once on a cache that keeps every token, and `replay_pass` feeds
 those calls into each KVzip cache inside its own pass, which scores and ranks as `compress` would; query-aware, its
 first token comes from the pass's held call (every prompt token in the cache), as a served request's and kvpress's
-do (`compress_with_logits`). A cache that
-cannot take recorded calls reads the prompt itself (`_own_prefill`): int8 storage (its attention runs on rounded
-keys), so any policy `policies.build` knows is one more entry of a study.
+do (`compress_with_logits`). A cache that cannot take recorded calls reads the prompt itself (`_own_prefill`): int8
+storage (its attention runs on rounded keys), so any policy `policies.build` knows is one more entry of a study.
 """
 
 from __future__ import annotations

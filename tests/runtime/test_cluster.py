@@ -35,6 +35,11 @@ KV_MEMORY = 400_000  # bytes per replica
 SESSION_MEMORY = 200_000  # bytes of finished requests' caches each replica keeps for reuse (a dozen)
 ENGINE = dict(policy="h2o", budget=64, kv_memory=KV_MEMORY, max_batch=4, prefill_chunk=64,
               session_memory=SESSION_MEMORY)  # fmt: skip
+# A held stream must outlive its test: 1,500 tokens of the tiny model took 5 s on a quiet core, less than a busy
+# machine's four requests through the gateway (its end then counted as a finish on the busy replica). At about 3 ms a
+# token, this many take minutes; the test hangs up long before.
+HOLD_TOKENS = 200_000
+CONTEXT = 262_144
 
 
 def replicas(url: str) -> dict[str, dict[str, float]]:
@@ -158,9 +163,10 @@ def test_sigterm_drains_the_cluster_server_and_leaves_no_process(tmp_path, token
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tokenizer):
     folder = tmp_path_factory.mktemp("tiny-model")
-    tiny_model(tokenizer, context=4096).save_pretrained(folder)
+    tiny_model(tokenizer, context=CONTEXT).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    with running_cluster(str(folder), replicas=2, engine=ENGINE, limits=Limits(), served_name=MODEL) as url:
+    limits = Limits(max_new_tokens=HOLD_TOKENS)
+    with running_cluster(str(folder), replicas=2, engine=ENGINE, limits=limits, served_name=MODEL) as url:
         # the gateway's router starts with its first request; then both replicas report within a second
         assert httpx.get(f"{url}/health", timeout=60).status_code == 200
         wait_for(lambda: len(replicas(url)) == 2, timeout=60, what="both replicas reporting")
@@ -197,13 +203,14 @@ def test_a_client_that_goes_away_frees_its_replica(cluster):
 
 def _hold(url: str, user: str, stop: threading.Event) -> concurrent.futures.Future:
     """A long stream (ignore_eos) in a thread, so its replica holds a large KV reservation until `stop` is set;
-    then the client hangs up (the replica cancels it), so the test does not wait for 1,500 tokens."""
+    then the client hangs up (the replica cancels it). Its `HOLD_TOKENS` outlast the test, so its end is never
+    counted as a finish while the test reads its replica's counts."""
     api = client(url)
 
     def run() -> int:
         chunks = 0
-        with api.completions.create(model=MODEL, prompt="word " * 200, max_tokens=1500, temperature=0, stream=True,
-                                    user=user, extra_body={"ignore_eos": True}) as stream:  # fmt: skip
+        with api.completions.create(model=MODEL, prompt="word " * 200, max_tokens=HOLD_TOKENS, temperature=0,
+                                    stream=True, user=user, extra_body={"ignore_eos": True}) as stream:  # fmt: skip
             for _ in stream:
                 chunks += 1
                 if stop.is_set():
@@ -245,6 +252,7 @@ def test_requests_go_to_the_replica_with_room_and_sessions_stick(cluster):
     _wait_finished(
         cluster, lambda now: now[free] == before[free] + 4, "the reports of the 4 requests", before, busy, free
     )
+    assert not held.done(), "alice's stream ended: the busy replica's counts no longer tell where requests went"
     assert finished(cluster)[busy] == before[busy]
     api.completions.create(model=MODEL, prompt="Again", max_tokens=3, user="alice")  # alice's replica, though full
     _wait_finished(cluster, lambda now: now[busy] == before[busy] + 1, "alice's request on her replica", before, busy,

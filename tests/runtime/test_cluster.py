@@ -39,6 +39,7 @@ ENGINE = dict(policy="h2o", budget=64, kv_memory=KV_MEMORY, max_batch=4, prefill
 # machine's four requests through the gateway (its end then counted as a finish on the busy replica). At about 3 ms a
 # token, this many take minutes; the test hangs up long before.
 HOLD_TOKENS = 200_000
+HOLD_SECONDS = 300  # at most, whatever the test does
 CONTEXT = 262_144
 
 
@@ -204,8 +205,10 @@ def test_a_client_that_goes_away_frees_its_replica(cluster):
 def _hold(url: str, user: str, stop: threading.Event) -> concurrent.futures.Future:
     """A long stream (ignore_eos) in a thread, so its replica holds a large KV reservation until `stop` is set;
     then the client hangs up (the replica cancels it). Its `HOLD_TOKENS` outlast the test, so its end is never
-    counted as a finish while the test reads its replica's counts."""
+    counted as a finish while the test reads its replica's counts; a test that fails before setting `stop` still
+    ends it after `HOLD_SECONDS`."""
     api = client(url)
+    deadline = time.monotonic() + HOLD_SECONDS
 
     def run() -> int:
         chunks = 0
@@ -213,7 +216,7 @@ def _hold(url: str, user: str, stop: threading.Event) -> concurrent.futures.Futu
                                     stream=True, user=user, extra_body={"ignore_eos": True}) as stream:  # fmt: skip
             for _ in stream:
                 chunks += 1
-                if stop.is_set():
+                if stop.is_set() or time.monotonic() > deadline:
                     break
         return chunks
 

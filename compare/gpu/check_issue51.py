@@ -17,6 +17,10 @@ offline. Cells, each a JSON line in DIR/issue51.jsonl:
   eager on `decode_evict` with per-row capacities, and that step replayed from a CUDA graph
   (`runtime/graphs.CapturedStep`); the same for 8 prompts of one length, rows in place (the storage in
   `ROW_BLOCK`s: masked) and packed (appended rows: every slot full, the unmasked kernel), for reference.
+- `engine-step`: the `step` cell's ragged batch as 8 requests through the engine (rows in place, captured steps):
+  once all 8 decode and the batch's step is replayed, ms per `Engine.step()` (the replayed step plus what the
+  engine does around it: sampling, each token to the host, the requests' events), against the `step` cell's
+  `captured_ms` for the same prompts (issue 51: within 1.15x).
 """
 
 from __future__ import annotations
@@ -106,6 +110,39 @@ def engine_cell(model, device, kv_dtype, dry: bool) -> dict:
                 in_place_equals_packed=same("in_place", "packed"), ok=ok)  # fmt: skip
 
 
+def engine_step_cell(model, lengths: list[int], steps: int, device, dry: bool) -> dict:
+    """ms per engine iteration once the batch of `lengths` prompts is steady and replayed (module docstring)."""
+    from h2o_kv.runtime.captured import CapturedSteps
+    from h2o_kv.runtime.engine import Engine
+
+    engine = Engine(model, word_tokenizer(model.config.vocab_size), max_batch=len(lengths), budget=0.2,
+                    prefill_chunk=64 if dry else 1024, rows_in_place=True, captured_steps=not dry)  # fmt: skip
+    if dry:
+        engine._steps = CapturedSteps(model, eos=engine.eos, prefill_chunk=64, held=engine._note_peaks, graphs=Rerun())
+    gen = torch.Generator().manual_seed(3)
+    handles = [engine.submit(torch.randint(3, model.config.vocab_size, (n,), generator=gen).tolist(),
+                             max_tokens=3 * steps + 64, policy="h2o", ignore_eos=True) for n in lengths]  # fmt: skip
+    replays = engine._steps
+    for _ in range(len(lengths) * 8 + 64):  # the prompts' chunks, the joins, the warm-up and the recording
+        engine.step()
+        if not engine._runs.prefill and replays.replayed >= 3:
+            break
+    assert replays.replayed >= 3, "the engine's batch was never replayed"
+    before = replays.replayed
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync(device)
+    ms = round(1000 * (time.perf_counter() - start) / steps, 3)
+    replayed = replays.replayed - before
+    for handle in handles:
+        handle.cancel()
+    engine.run()
+    return dict(cell="engine-step", lengths=lengths, engine_step_ms=ms, replayed=replayed, steps=steps,
+                ok=replayed == steps)  # fmt: skip
+
+
 class Rerun:
     """A CPU stand-in for CUDA graphs (the dry run): each replay runs the step again."""
 
@@ -117,9 +154,10 @@ class Rerun:
 def steady_batch(model, lengths: list[int], device, in_place: bool):
     """A cache of one row per prompt length (its own 20 % capacity), joined in place (else appended: rows packed,
     the storage as wide as the widest row needs), brought to its steady state; (cache, next tokens, positions)."""
-    from h2o_kv import H2O, KVCache
+    from h2o_kv import H2O, KVCache, enable
     from h2o_kv.runtime.generation import forward, prefill
 
+    enable(model)  # the engine cells enable it too; a run of the step cells alone needs it here
     gen = torch.Generator().manual_seed(3)
     caches, tokens = [], []
     for n in lengths:
@@ -189,6 +227,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on a CPU, Triton interpreted")
+    parser.add_argument("--cells", help="comma-separated cells to run (engine, engine-int8, step, step-one-length, "
+                        "step-packed, engine-step; default: all)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.dry_run:  # the Triton kernels interpreted, where a GPU runs them (not the C++ kernels a CPU would)
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports Triton
@@ -201,14 +241,19 @@ def main(argv=None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     model = make_model(shape, device, dtype)
     same = [lengths[-1]] * len(lengths)
-    cells = [lambda: engine_cell(model, device, None, args.dry_run),
-             lambda: engine_cell(model, device, "int8", args.dry_run),
-             lambda: step_cell(model, lengths, steps, device, "ragged"),
-             lambda: step_cell(model, same, steps, device, "one length"),
-             lambda: step_cell(model, same, steps, device, "one length", in_place=False)]  # fmt: skip
+    cells = {"engine": lambda: engine_cell(model, device, None, args.dry_run),
+             "engine-int8": lambda: engine_cell(model, device, "int8", args.dry_run),
+             "step": lambda: step_cell(model, lengths, steps, device, "ragged"),
+             "step-one-length": lambda: step_cell(model, same, steps, device, "one length"),
+             "step-packed": lambda: step_cell(model, same, steps, device, "one length", in_place=False),
+             "engine-step": lambda: engine_step_cell(model, lengths, steps, device, args.dry_run)}  # fmt: skip
+    chosen = args.cells.split(",") if args.cells else list(cells)
+    unknown = set(chosen) - set(cells)
+    if unknown:
+        parser.error(f"unknown cells {sorted(unknown)}; known: {', '.join(cells)}")
     where = provenance()  # each row: the commit, torch, triton, the GPU
     with open(args.out / "issue51.jsonl", "a") as log:
-        for cell in cells:
+        for cell in (cells[name] for name in chosen):
             start = time.perf_counter()
             try:
                 row = cell()

@@ -118,12 +118,15 @@ def compiled_step(model, cache, device):
     return step
 
 
-def run_h2o(model, name: str, context: int, batch: int, steps: int, how: str, device, kv_dtype=None) -> dict:
-    """Decode with an h2o-kv cache: `how` is "eager", "captured" (graphs.CapturedStep) or "compiled"."""
+def run_h2o(
+    model, name: str, context: int, batch: int, steps: int, how: str, device, kv_dtype=None, fraction: float = BUDGET
+) -> dict:
+    """Decode with an h2o-kv cache: `how` is "eager", "captured" (graphs.CapturedStep) or "compiled". `fraction`
+    1.0: every slot of the context kept, the full cache's bytes on the same kernel and graph (`full-captured`)."""
     from h2o_kv.runtime.generation import forward
     from h2o_kv.runtime.graphs import CapturedStep
 
-    budget = int(BUDGET * context)
+    budget = int(fraction * context)
     cache, _, token = h2o_cache(model, name, budget, budget, batch, device, kv_dtype)
     captured = how == "captured" and device.type == "cuda"
     if captured:
@@ -246,6 +249,7 @@ def study(shape: str, context: int, batch: int, steps: int, device, dtype, log, 
         ("dynamic", lambda: run_stock(model, "dynamic", context, batch, steps, False, device)),
         ("h2o", lambda: run_h2o(model, "h2o", context, batch, steps, "eager", device)),
         ("h2o-captured", lambda: run_h2o(model, "h2o", context, batch, steps, "captured", device)),
+        ("full-captured", lambda: run_h2o(model, "h2o", context, batch, steps, "captured", device, fraction=1.0)),
         ("snapkv-captured", lambda: run_h2o(model, "snapkv", context, batch, steps, "captured", device)),
         ("h2o-int8-captured", lambda: run_h2o(model, "h2o", context, batch, steps, "captured", device, "int8")),
         ("h2o-same-memory", lambda: same_memory(model, done, context, batch, steps, device)),

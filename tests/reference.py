@@ -42,12 +42,19 @@ def choose_victim(rule: str, kept: list[Token], params: dict, next_pos: int = 0)
         if any(tok is not victim and abs(tok.distinct - victim.distinct) < NEAR_TIE for tok in older):
             params["near_ties"] = params.get("near_ties", 0) + 1  # float32 rounding may pick the other one
         return victim
-    if rule == "kvzip":  # the newest `recent` after the context are kept; the context itself is never protected
-        protected = [
-            tok for tok in oldest_first if tok.pos >= next_pos - params["recent"] and tok.pos >= params["context"]
-        ]
-        return min((tok for tok in oldest_first if tok not in protected), key=lambda tok: (tok.score, tok.pos))
+    if rule == "kvzip":
+        protected = kvzip_protected(params, next_pos)
+        return min((tok for tok in oldest_first if tok.pos < protected), key=lambda tok: (tok.score, tok.pos))
     raise ValueError(rule)
+
+
+def kvzip_protected(params: dict, next_pos: int) -> int:
+    """KVzip: positions from this one on are kept. The newest `recent` after the context (none of the context); with
+    a `window`, the newest `window` more, all of it at most `half` (ceil(capacity / 2))."""
+    newest = min(params["recent"], max(0, next_pos - params["context"]))
+    if params.get("window"):
+        newest = min(newest + params["window"], params["half"])
+    return next_pos - newest
 
 
 def rank_key(rule: str, tok: Token, params: dict, next_pos: int) -> tuple:
@@ -218,6 +225,10 @@ def reference_reconstruction(
                 for j, p in zip(old, probs):
                     peak[h][j] = max(peak[h][j], p)
         piece_outs.append(out)
+    if params.get("window"):  # the context's last queries pick a share of each row first (KVzip's `window`)
+        picks = window_picks(q, k, length, params, window, pooled=bool(params.get("pooled")),
+                             capacity=params.get("pick_capacity", capacity))  # fmt: skip
+        peak = [[peak[h][j] + 2.0 * ((h, j) in picks) for j in range(length)] for h in range(kv_heads)]
     kept = [[Token(j, score=peak[h][j]) for j in range(length) if window is None or j > length - window]
             for h in range(kv_heads)]  # fmt: skip
     for h in range(kv_heads):
@@ -229,19 +240,53 @@ def reference_reconstruction(
     return context_out, piece_outs, kept
 
 
-def reference_whole_cache(layers: list[list[list[Token]]], capacity: int) -> list[list[list[Token]]]:
+def window_picks(q: torch.Tensor, k: torch.Tensor, length: int, params: dict, window: int | None, *, pooled: bool,
+                 capacity: int) -> set[tuple[int, int]]:  # fmt: skip
+    """The (KV head, position) slots the context's last `params["window"]` queries pick: per KV head (a pooled layer:
+    over all its heads together), the floor(share x capacity) (at least 1; a pooled row's capacity is heads x
+    capacity) given the most probability by any of those queries of the head's group, ties to the older position,
+    then the lower head."""
+    q_heads, kv_heads = q.shape[0], k.shape[0]
+    group, scale = q_heads // kv_heads, q.shape[-1] ** -0.5
+    peak = {}
+    for head in range(q_heads):
+        h = head // group
+        for t in range(max(0, length - params["window"]), length):
+            visible = [j for j in range(length) if j <= t and (window is None or j > t - window)]
+            logits = [float(q[head, t].double() @ k[h, j].double()) * scale for j in visible]
+            top = max(logits)
+            weights = [math.exp(x - top) for x in logits]
+            for j, w in zip(visible, weights):
+                peak[(h, j)] = max(peak.get((h, j), 0.0), w / sum(weights))
+    rows = [[(h, j) for h in range(kv_heads) for j in range(length)]] if pooled else \
+        [[(h, j) for j in range(length)] for h in range(kv_heads)]  # fmt: skip
+    count = max(1, math.floor(params["share"] * capacity * (kv_heads if pooled else 1)))
+    picked = set()
+    for row in rows:
+        ranked = sorted(row, key=lambda slot: (-peak.get(slot, 0.0), slot[1], slot[0]))
+        picked.update(ranked[:count])
+    return picked
+
+
+def reference_whole_cache(layers: list[list[list[Token]]], capacity: int,
+                          protect_from: int | None = None) -> list[list[list[Token]]]:  # fmt: skip
     """KVzip's whole-cache allocation when its pass ends (docs/eviction.md): `layers` holds each layer's context
     tokens per KV head with their reconstruction scores (`reference_reconstruction` with nothing removed). Each
-    (layer, head) keeps its best-scored token (ties: the oldest); of the others the lowest score goes first, ties
-    to the oldest position, then the lower layer, then the lower head, until every layer together holds
-    `capacity` x heads x layers. Returns what each (layer, head) keeps."""
+    (layer, head) keeps its best-ranked token (ties: the oldest; a protected token, at `protect_from` or after,
+    ranks above any score); of the others the lowest score goes first, ties to the oldest position, then the lower
+    layer, then the lower head, never a protected one, until every layer together holds `capacity` x heads x
+    layers. Returns what each (layer, head) keeps."""
     kept = [[list(head) for head in layer] for layer in layers]
-    best = {(i, h): max(head, key=lambda tok: (tok.score, -tok.pos)).pos for i, layer in enumerate(kept)
-            for h, head in enumerate(layer)}  # fmt: skip
+
+    def protected(tok: Token) -> bool:
+        return protect_from is not None and tok.pos >= protect_from
+
+    best = {(i, h): max(head, key=lambda tok: (protected(tok), tok.score if not protected(tok) else 0.0, -tok.pos)).pos
+            for i, layer in enumerate(kept) for h, head in enumerate(layer)}  # fmt: skip
     total = capacity * sum(len(layer) for layer in kept)
     while sum(len(head) for layer in kept for head in layer) > total:
         candidates = [(tok.score, tok.pos, i, h) for i, layer in enumerate(kept) for h, head in enumerate(layer)
-                      for tok in head if tok.pos != best[(i, h)]]  # fmt: skip
+                      for tok in head if tok.pos != best[(i, h)] and not protected(tok)]  # fmt: skip
         if not candidates:
             break
         _, pos, i, h = min(candidates)

@@ -19,6 +19,11 @@ layer's counts (`used`, `kept_bound`, `seen`, `next_pos`) are as before it, so t
 plus one piece: the pass's extra memory is a chunk, not a second copy of the context, and it costs about one more
 prefill. KVzip's own code normalises a chunk's probabilities over that chunk's slice of the context (and a few
 sinks) for speed; here they are the model's own attention probabilities, over everything a query sees.
+
+With `KVzip(window=w)` the held calls' last w queries (across calls: the context's last w) are kept per layer, and
+when the pass ends they rank the context first: in each row the `share` of its capacity they attend to most (the
+most probability any of them gave a slot, as a scoring call's) gets 2 added to its score, above any probability,
+before the ranking (`_pick_window`).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from h2o_kv.cache.attend import (
     stored_as,
 )
 from h2o_kv.cache.layer import eviction_ranks
-from h2o_kv.policies.kvzip import ranks_whole_cache
+from h2o_kv.policies.kvzip import kvzip_of, ranks_whole_cache
 
 
 class Reconstruction:
@@ -63,6 +68,9 @@ class Reconstruction:
         self.settings, self.layers = settings, layers
         self.scoring_now = False
         self.windows: dict[int, int | None] = {}  # each layer's sliding window (None: full attention)
+        kvzip = kvzip_of(policy)
+        self.window, self.share = (kvzip.window, kvzip.share) if kvzip is not None else (0, 1.0)
+        self.window_queries: dict[int, tuple] = {}  # each layer's last held queries: (q, positions, options)
 
     def __enter__(self) -> Reconstruction:
         for layer in self.layers:
@@ -72,10 +80,14 @@ class Reconstruction:
 
     def __exit__(self, kind, error, trace) -> None:
         self.settings.reconstruction = None
+        held, self.window_queries = self.window_queries, {}
         if kind is not None:  # a failed pass leaves an empty cache, never an unranked one over its capacity
             for layer in self.layers:
                 layer.reset()
             return
+        for layer in self.layers:
+            if layer.is_initialized and layer.layer_idx in held:
+                self._pick_window(layer, *held[layer.layer_idx])
         if ranks_whole_cache(self.settings.policy):  # one ranking over the full-attention layers: each one's capacity
             rank_whole_cache([layer for layer in self.layers if layer.is_initialized
                               and self.windows.get(layer.layer_idx) is None])  # fmt: skip
@@ -102,6 +114,8 @@ class Reconstruction:
         own path, without scores or eviction)."""
         self.windows[layer.layer_idx] = window
         if not self.scoring_now:
+            if self.window:
+                self._keep_window(layer, query, attention_mask, scaling=scaling, window=window, softcap=softcap)
             return None
         keys, values = layer.pending
         layer.pending = None
@@ -128,6 +142,34 @@ class Reconstruction:
                 getattr(layer, name)[..., first : layer.used] = empty
         layer.used, layer.kept_bound = used, bound
         return out.to(query.dtype)
+
+    def _keep_window(self, layer, query: torch.Tensor, attention_mask: torch.Tensor | None, **options) -> None:
+        """Keep a held call's last `window` queries [B, Hq, w, D] and their positions [B, w] (-1: padding) with
+        those kept from the layer's calls before it, so the context's last `window` are kept whatever its chunks."""
+        batch, n = query.shape[0], query.shape[2]
+        real, _ = layer.settings.padding.real_tokens(attention_mask, batch, n, query.device)
+        start = layer.next_pos.view(batch, 1) if layer.seen else torch.zeros(batch, 1, dtype=torch.long,
+                                                                             device=query.device)  # fmt: skip
+        qpos = torch.where(real, start + real.cumsum(1) - 1, -1)[:, -self.window :]
+        q = query[:, :, -self.window :].to(compute_dtype(query.dtype, query.device))
+        before = self.window_queries.get(layer.layer_idx)
+        if before is not None:
+            q = torch.cat([before[0], q], 2)[:, :, -self.window :]
+            qpos = torch.cat([before[1], qpos], 1)[:, -self.window :]
+        self.window_queries[layer.layer_idx] = (q, qpos, options)
+
+    def _pick_window(self, layer, q: torch.Tensor, qpos: torch.Tensor, options: dict) -> None:
+        """In each row of `layer` (a (sequence, KV head), or a head-pooled row), the floor(`share` x capacity) slots
+        (at least 1) the window's queries gave the most probability get 2 added to their score, above any
+        probability; ties go to the earlier slot (held calls fill slots in position order, a pooled row token by
+        token, heads in order)."""
+        used = layer.used
+        peak = _peak(layer, q, qpos, want_out=False, **options)[1][..., :used]
+        peak = torch.where(layer.pos[..., :used] >= 0, peak, -1.0)
+        picks = (self.share * layer.capacity.view(-1, 1, 1).float()).floor().clamp(min=1)
+        order = peak.argsort(dim=-1, descending=True, stable=True)
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(used, device=order.device).expand_as(order))
+        layer.score[..., :used] += ((rank < picks) & (peak >= 0)).float() * 2.0
 
 
 def _peak(layer, q: torch.Tensor, qpos: torch.Tensor, **options) -> tuple[torch.Tensor | None, torch.Tensor]:

@@ -24,6 +24,7 @@ NAMES = (
     "kvzip",
     "kvzipwhole",
     "kvziplayer",
+    "kvzipwindow",
     "full",
 )
 DEFAULT = "globalkv"  # the default of generate, demo, the engine and serve: the best in docs/accuracy.md

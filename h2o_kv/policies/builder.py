@@ -31,7 +31,9 @@ def build(name: str, budget: Budget = None, *, sinks: int = 4) -> Policy:
     KVzip by a reconstruction pass that `h2o_kv.compress` runs (a plain prompt call refuses it); "kvzipwhole" ranks
     the whole cache at once when its pass ends (KVzip's own allocation: AdaKV's pooled rows, layers of their own size;
     the engine decodes such a request in a batch of its own once its pass has evicted); "kvziplayer" ranks each
-    layer's heads together (AdaKV's pooled rows, every layer at heads x budget, so its requests batch together).
+    layer's heads together (AdaKV's pooled rows, every layer at heads x budget, so its requests batch together);
+    "kvzipwindow" is "kvzipwhole" whose context's last 32 queries also pick 60 % of each row first (a question inside
+    the prompt kept as well as one that comes later; KVzip's `window`).
     """
     key = policy_key(name)
     if key == "full":
@@ -55,6 +57,8 @@ def build(name: str, budget: Budget = None, *, sinks: int = 4) -> Policy:
         return KVzip(budget=budget)
     if key == "kvzipwhole":
         return AdaKV(KVzip(budget=budget, whole_cache=True))
+    if key == "kvzipwindow":
+        return AdaKV(KVzip(budget=budget, whole_cache=True, window=32, share=0.6))
     if key == "kvziplayer":
         return AdaKV(KVzip(budget=budget))
     if key == "adakv":

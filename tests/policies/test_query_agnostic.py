@@ -74,10 +74,11 @@ def test_keydiff_builds_by_name_scales_by_layer_and_refuses_adakv():
 # -- KVzip: the pass on one layer, against the reference ---------------------------------------------------------
 
 
-def run_pass(policy, q, k, v, pieces, steps, *, mode="drop", native=False, window=None, chunk=None):
-    """One layer through KVzip's pass: the context (q/k/v [B, *, T, D] less the last `steps` tokens) held whole,
-    each piece (q, k, v) scored, then the `steps` tokens decoded one by one. Returns the outputs of every call, the
-    layer, the kept positions when the pass ended, and the storage's slots after each piece."""
+def run_pass(policy, q, k, v, pieces, steps, *, mode="drop", native=False, window=None, chunk=None, held=None):
+    """One layer through KVzip's pass: the context (q/k/v [B, *, T, D] less the last `steps` tokens) held whole (in
+    calls of the sizes `held` gives, else one), each piece (q, k, v) scored, then the `steps` tokens decoded one by
+    one. Returns the outputs of every call (the held calls' joined), the layer, the kept positions when the pass
+    ended, and the storage's slots after each piece."""
     settings = Settings(policy, mode, chunk, compile_kernel=native)
     layer = (PooledKVLayer if policy.head_pooled else KVLayer)(settings, 0)
     batch, length = q.shape[0], q.shape[2] - steps
@@ -89,7 +90,8 @@ def run_pass(policy, q, k, v, pieces, steps, *, mode="drop", native=False, windo
         return layer.forward_attention(qs, mask, scaling=scaling, window=window)
 
     with Reconstruction(settings, [layer]) as rec:
-        outs = [call(q[:, :, :length], k[:, :, :length], v[:, :, :length])]
+        bounds = [0, *torch.tensor(held or [length]).cumsum(0).tolist()]
+        outs = [torch.cat([call(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]) for a, b in zip(bounds, bounds[1:])], 1)]
         for piece in pieces:
             with rec.scoring():
                 outs.append(call(*piece))
@@ -101,8 +103,14 @@ def run_pass(policy, q, k, v, pieces, steps, *, mode="drop", native=False, windo
     return outs, layer, compressed, slots
 
 
+WINDOWED = KVzip(budget=5, recent=2, window=3, share=0.5)
+WINDOW = {"recent": 2, "window": 3, "share": 0.5, "half": 3}  # WINDOWED's rule
 PASSES = {  # name: (policy, reference params but the context's length, KV heads, batch, window, prefill chunk)
     "gqa": (KVzip(budget=5, recent=2), {"recent": 2}, 2, 1, None, None),
+    "window": (WINDOWED, WINDOW, 2, 1, None, None),
+    "window_mqa_batch": (WINDOWED, WINDOW, 1, 2, None, None),
+    "window_sliding": (WINDOWED, WINDOW, 2, 1, 8, 5),
+    "window_adakv": (AdaKV(WINDOWED), {**WINDOW, "pooled": True}, 2, 1, None, None),
     "mqa_batch": (KVzip(budget=5, recent=2), {"recent": 2}, 1, 2, None, None),
     "chunked_context": (KVzip(budget=5, recent=3), {"recent": 3}, 2, 1, None, 5),
     "sliding": (KVzip(budget=5, recent=2), {"recent": 2}, 2, 1, 8, None),
@@ -129,8 +137,9 @@ def test_kvzip_pass_and_decoding_match_the_reference(name, mode, native, monkeyp
     length, steps, capacity = 12, 8, 5
     q, k, v = random_qkv(batch=batch, total=length + steps, kv_heads=kv_heads, seed=21)
     pieces = [random_qkv(batch=batch, total=m, kv_heads=kv_heads, seed=30 + m) for m in (6, 4, 7)]
+    held = [10, 1, 1] if name.startswith("window") else None  # the window's queries span three held calls
     outs, layer, compressed, slots = run_pass(policy, q, k, v, pieces, steps, mode=mode, native=native,
-                                              window=window, chunk=chunk)  # fmt: skip
+                                              window=window, chunk=chunk, held=held)  # fmt: skip
     per_token = kv_heads if policy.head_pooled else 1  # a pooled row holds a token's heads side by side
     assert slots == [per_token * (length + m) for m in (6, 6, 7)]  # the context and the largest piece so far
     params = {**params, "context": length}
@@ -155,12 +164,15 @@ def test_kvzip_pass_and_decoding_match_the_reference(name, mode, native, monkeyp
                                                                         capacity * kv_heads)  # fmt: skip
 
 
+@pytest.mark.parametrize("with_window", [False, True], ids=["kvzipwhole", "window"])
 @pytest.mark.parametrize("native", [False, True], ids=["torch", "kernels"])
-def test_kvzip_whole_cache_ranks_every_layer_together_and_decodes_at_each_layers_share(native):
+def test_kvzip_whole_cache_ranks_every_layer_together_and_decodes_at_each_layers_share(native, with_window):
     """Three head-pooled layers through one pass: what each keeps equals the reference's one ranking over every
     (layer, KV head) (each head's best kept); the layers end at different sizes summing to the budget, and decoding
-    afterwards holds each layer at its own share, as the reference layer does at that capacity."""
-    policy = AdaKV(KVzip(budget=5, recent=2, whole_cache=True))
+    afterwards holds each layer at its own share, as the reference layer does at that capacity. With a window
+    (`kvzipwindow`'s rule): the context's last queries' picks ranked first, its newest tokens protected."""
+    window = dict(window=3, share=0.2) if with_window else {}  # 2 picks a layer: the ranking still shares the rest
+    policy = AdaKV(KVzip(budget=5, recent=2, whole_cache=True, **window))
     settings = Settings(policy, "drop", None, compile_kernel=native)
     layers = [PooledKVLayer(settings, i) for i in range(3)]
     length, steps, kv_heads = 12, 6, 2
@@ -179,15 +191,16 @@ def test_kvzip_whole_cache_ranks_every_layer_together_and_decodes_at_each_layers
             with rec.scoring():
                 for layer, layer_pieces in zip(layers, pieces):
                     call(layer, *layer_pieces[p])
+    rule = {"recent": 2, "context": length, **({**WINDOW, **window, "pooled": True, "pick_capacity": 5} if with_window
+                                                else {})}  # fmt: skip
     scored = [reference_reconstruction(q[0, :, :length], k[0, :, :length], v[0, :, :length],
-                                       [(pq[0], pk[0], pv[0]) for pq, pk, pv in layer_pieces], length,
-                                       {"recent": 2, "context": length})[2]
+                                       [(pq[0], pk[0], pv[0]) for pq, pk, pv in layer_pieces], length, rule)[2]
               for (q, k, v), layer_pieces in zip(data, pieces)]  # fmt: skip
-    want = reference_whole_cache(scored, 5)
+    want = reference_whole_cache(scored, 5, protect_from=length - 3 if with_window else None)
     assert [kept_positions(layer) for layer in layers] == [[sorted(t.pos for t in h) for h in lay] for lay in want]
     sizes = [sum(map(len, lay)) for lay in want]
     assert sum(sizes) == 5 * kv_heads * 3 and len(set(sizes)) > 1  # the budget, shared unevenly by the layers
-    params = {"recent": 2, "pooled": True, "context": length}
+    params = {"recent": 2, "pooled": True, "context": length, **({**WINDOW, **window} if with_window else {})}
     for layer, (q, k, v), kept, size in zip(layers, data, want, sizes):
         outs = [call(layer, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1]) for t in range(length,
                 length + steps)]  # fmt: skip
@@ -215,6 +228,16 @@ def test_whole_cache_needs_pooled_rows_and_is_not_served():
     with pytest.raises(ValueError, match="AdaKV"):
         Reconstruction(Settings(KVzip(budget=4, whole_cache=True)), [])
     assert build("kvzipwhole", 0.25) == AdaKV(KVzip(budget=0.25, whole_cache=True))
+
+
+def test_kvzipwindow_builds_by_name_and_refuses_windows_that_mean_nothing():
+    assert build("kvzipwindow", 0.25) == AdaKV(KVzip(budget=0.25, whole_cache=True, window=32, share=0.6))
+    assert "window=32, share=0.6" in build("kvzipwindow", 0.25).describe()
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="share"):
+            KVzip(budget=8, window=4, share=bad)
+    with pytest.raises(ValueError, match="window"):
+        KVzip(budget=8, window=-1)
 
 
 def test_the_pass_refuses_what_it_cannot_rank():

@@ -139,11 +139,12 @@ def test_a_prompt_whose_reconstruction_calls_pass_the_context_is_refused():
     assert ask(run, ids(200 - run._count.pass_call(100), seed=1)).finish_reason == "length"
 
 
-def test_a_whole_cache_ranking_is_served_each_request_in_a_batch_of_its_own():
+@pytest.mark.parametrize("name", ["kvzipwhole", "kvzipwindow"])  # the window's queries span the held chunks
+def test_a_whole_cache_ranking_is_served_each_request_in_a_batch_of_its_own(name):
     """KVzip's own allocation (`kvzipwhole`): each request's pass ranks every head of every layer at once and sizes
     its layers; the engine decodes each such request in a batch of its own, so its layers keep those sizes and what
     it holds stays within kv_memory. Each answer equals the library's compress run, concurrent ones their solo runs."""
-    policy, LONG = h2o_kv.policies.build("kvzipwhole", 0.5), 24
+    policy, LONG = h2o_kv.policies.build(name, 0.5), 24
     prompts = [ids(n, seed=n) for n in (40, 31, 47)]
     solo_run = engine()
     solo = [ask(solo_run, p, policy=policy, max_tokens=LONG).token_ids for p in prompts]
@@ -162,7 +163,7 @@ def test_a_whole_cache_ranking_is_served_each_request_in_a_batch_of_its_own():
         decoding = max(decoding, len(run._runs.batches))
     assert [r.token_ids for r in requests] == solo and decoding == len(prompts)  # all decoding at once, apart
     assert ask(engine(rows_in_place=True), prompts[2], policy=policy, max_tokens=LONG).token_ids == solo[2]
-    by_name = Engine(make_model("llama"), make_tokenizer(), policy="kvzipwhole", budget=0.5)  # serve --policy
+    by_name = Engine(make_model("llama"), make_tokenizer(), policy=name, budget=0.5)  # serve --policy
     assert by_name.generate(prompts[1], max_tokens=LONG, ignore_eos=True).token_ids == solo[1]
 
 

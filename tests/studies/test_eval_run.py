@@ -360,3 +360,28 @@ def test_cell_key_follows_the_source_code(tmp_path) -> None:
     changed = cells_mod.Cells(tmp_path, {"code": "b"}, resume=True)  # the same cell after a code change
     assert changed.get({"x": 1}, lambda: calls.append(1) or [{"v": 3}]) == [{"v": 3}] and len(calls) == 2
     assert len(cells_mod.source_digest()) == 16 and cells_mod.source_digest() == cells_mod.source_digest()
+
+
+def test_cells_resume_from_the_one_file_when_their_folder_is_gone(tmp_path) -> None:
+    """A fresh clone has `cells.jsonl` (committed) and no `cells/` (git-ignored): resuming reads the file; a last line
+    an interrupted append left without its newline is no cell, any other unreadable line is an error."""
+    import shutil
+
+    from h2o_kv.studies.eval import cells as cells_mod
+
+    root, calls = tmp_path / "cells", []
+    first = cells_mod.Cells(root, {"code": "a"}, resume=True)
+    for x in (1, 2):
+        first.get({"x": x}, lambda x=x: calls.append(x) or [{"v": x}])
+    shutil.rmtree(root)
+    bundle = tmp_path / "cells.jsonl"
+    with open(bundle, "a") as f:
+        f.write('{"key": "half a li')  # an interrupted append
+    again = cells_mod.Cells(root, {"code": "a"}, resume=True)
+    assert [again.get({"x": x}, lambda: calls.append(0) or []) for x in (1, 2)] == [[{"v": 1}], [{"v": 2}]]
+    assert calls == [1, 2] and again.reused == 2
+    assert cells_mod.Cells(root, {"code": "b"}, resume=True).get({"x": 1}, lambda: [{"v": 9}]) == [{"v": 9}]
+    assert bundle.read_text().count("\n") == 3 and "half a li" not in bundle.read_text()  # cut off, then appended
+    bundle.write_text('{"key": \n' + bundle.read_text())  # unreadable in the middle: an error naming the line
+    with pytest.raises(ValueError, match="line 1 is unreadable"):
+        cells_mod.Cells(root, {"code": "a"}, resume=True).stored({"x": 3})

@@ -8,6 +8,10 @@ numbers (`source_digest`). `h2o-kv
 eval --resume` (`run_eval(resume=True)`) takes a cell from there when its key matches exactly and runs
 the others, so an interrupted run picks up where it stopped and a changed setting or changed code never
 reuses a stale result. Without `--resume` every cell runs (and is written, for a later `--resume`).
+
+Each cell is also appended, as one line, to `<out>/cells.jsonl`, which `--resume` reads for the cells the folder
+lacks: the folder is git-ignored (hundreds of files), the one file can be committed, so a run of many sessions
+resumes from a fresh clone (check it out at the commit the run started from: the source digest is in each key).
 """
 
 from __future__ import annotations
@@ -44,6 +48,24 @@ class Cells:
     def __init__(self, root: Path | None, identity: dict[str, Any], *, resume: bool = False) -> None:
         self.root, self.identity, self.resume = root, identity, resume
         self.ran = self.reused = 0
+        self.bundle = None if root is None else root.with_suffix(".jsonl")  # <out>/cells.jsonl: every cell, a line each
+        self._bundled: dict[str, list[dict]] | None = None
+        self._tidied = False  # an unfinished last line of cells.jsonl cut off (before this store's first append)
+
+    def _from_bundle(self, key: str) -> list[dict] | None:
+        """The rows `cells.jsonl` holds under `key` (read once). An interrupted append leaves a last line without its
+        newline: that line is no cell, and is left out; any other unreadable line is an error."""
+        if self._bundled is None:
+            self._bundled = {}
+            text = self.bundle.read_text() if self.bundle.is_file() else ""
+            for number, line in enumerate(text.split("\n")[:-1], 1):  # the last piece: "" or an interrupted line
+                if line.strip():
+                    try:
+                        entry = json.loads(line)
+                    except json.JSONDecodeError as err:
+                        raise ValueError(f"{self.bundle} line {number} is unreadable ({err})") from None
+                    self._bundled[entry["key"]] = entry["rows"]
+        return self._bundled.get(key)
 
     def _path(self, name: dict[str, Any]) -> tuple[str, Path]:
         assert self.root is not None
@@ -56,7 +78,9 @@ class Cells:
             return None
         key, path = self._path(name)
         if not path.is_file():
-            return None
+            rows = self._from_bundle(key)
+            self.reused += rows is not None
+            return rows
         try:
             stored = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -74,8 +98,22 @@ class Cells:
         key, path = self._path(name)
         self.root.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".part")
-        partial.write_text(json.dumps({"key": key, "rows": rows}))
+        line = json.dumps({"key": key, "rows": rows})
+        partial.write_text(line)
         os.replace(partial, path)  # whole or absent: an interrupted write leaves no half cell
+        self._append(line)
+
+    def _append(self, line: str) -> None:
+        """Append a cell's line to `cells.jsonl`, after cutting off a line an interrupted append left unfinished (the
+        first time this store appends: only another process can have left one)."""
+        if not self._tidied and self.bundle.is_file():
+            data = self.bundle.read_bytes()
+            if data and not data.endswith(b"\n"):
+                with open(self.bundle, "r+b") as bundle:
+                    bundle.truncate(data.rfind(b"\n") + 1)
+        self._tidied = True
+        with open(self.bundle, "a") as bundle:  # one write of the whole line
+            bundle.write(line + "\n")
 
     def get(self, name: dict[str, Any], compute: Callable[[], list[dict]], progress: Any = None) -> list[dict]:
         """The cell's rows: stored ones when resuming and the key matches, else `compute()` (then stored).

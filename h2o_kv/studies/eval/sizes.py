@@ -170,7 +170,8 @@ SIZES: dict[str, Size] = {
     # Issue 50: compress once, answer many. Query-agnostic at 4k: each context compressed once without its questions,
     # then 4 questions answered from forks of that cache (RULER's multikey needles, one key each; the QA documents, one
     # gold document or pair each; niah_multivalue has one key, so one question). kvpress runs the same ids with its
-    # pipeline's questions=[...] (compare/kvpress). 5 samples per task; retrieval only, its own policies and budgets.
+    # pipeline's questions=[...] (compare/kvpress). 5 samples per task; retrieval only, its own policies and budgets
+    # (the query-agnostic ones, and the query-aware ones kvpress also has, with `serve`'s GlobalKV).
     "compress-once": Size(
         PerplexitySize(windows=4, length=2048, chunk=16),
         RetrievalSize(COMPRESS_ONCE_TASKS, (4096,), samples=5, prefills=("agnostic",), chunk=16, answer_cap=None,
@@ -178,7 +179,7 @@ SIZES: dict[str, Size] = {
         FidelitySize(prompts=6, passage_tokens=1024, new_tokens=64),
         SummarizeSize(records=8, new_tokens=64, document_tokens=2048),
         eval_tasks=("retrieval",),
-        policies=("keydiff", "kvzip", "kvzipwhole", "snapkv", "h2o", "tova", "adakv", "globalkv", "streamingllm"),
+        policies=("kvzipwindow", "kvzipwhole", "kvzip", "keydiff", "snapkv", "globalkv", "tova", "h2o"),
         budgets=(0.25, 0.1),
     ),
 }  # fmt: skip

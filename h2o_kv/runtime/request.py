@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from h2o_kv.policies import Policy
+from h2o_kv.runtime.detokenize import Detokenizer
 from h2o_kv.runtime.generation import Sampling
 
 _ids = itertools.count(1)
@@ -65,6 +66,7 @@ class Request:
     reused_tokens: int = 0  # prompt tokens a kept cache had seen (not prefilled; runtime/prefixes.py)
     resend: Callable[[str], list[int]] | None = None  # the ids a next turn starts with, given this answer's text
     _text: str = ""  # text emitted so far
+    _detokenizer: Detokenizer | None = None  # the text after each token, decoding only the newest (detokenize.py)
     _cancelled: threading.Event = field(default_factory=threading.Event)
     _done: threading.Event = field(default_factory=threading.Event)
     _recorded: threading.Event = field(default_factory=threading.Event)
@@ -102,7 +104,12 @@ class Request:
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         self.token_ids.append(token)
-        text = self.decode(self.token_ids[:-1] if eos else self.token_ids)
+        if eos or len(self.token_ids) >= self.max_tokens:  # the last event's text: one whole decode
+            text = self.decode(self.token_ids[:-1] if eos else self.token_ids)
+        else:
+            if self._detokenizer is None:
+                self._detokenizer = Detokenizer(self.decode)
+            text = self._detokenizer.text(self.token_ids)
         hit = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
         if hit >= 0:
             self._emit(token, text[:hit], "stop")

@@ -84,3 +84,18 @@ def test_the_server_prints_the_line_once_it_listens(capfd):
     with server.serve_in_thread(create_app(engine, MODEL), engine, announce=line) as url:
         pass
     assert capfd.readouterr().err.splitlines().count(f"h2o-kv serve: ready at {url}: {line}") == 1
+
+
+def test_prompts_are_read_in_gpu_sized_chunks_on_a_gpu_unless_told():
+    """--prefill-chunk's default follows --device (a prompt chunk on a GPU is one matrix product of 2,048 rows, where
+    256 would leave it mostly idle); an explicit size is kept; a size below 1 is one line."""
+    from h2o_kv.cli import build_parser
+    from h2o_kv.runtime.serve.main import engine_settings
+
+    parse = build_parser().parse_args
+    assert engine_settings(parse(["serve"]))["prefill_chunk"] == 256
+    assert engine_settings(parse(["serve", "--device", "cuda"]))["prefill_chunk"] == 2048
+    assert engine_settings(parse(["serve", "--device", "cuda:1"]))["prefill_chunk"] == 2048
+    assert engine_settings(parse(["serve", "--device", "cuda", "--prefill-chunk", "512"]))["prefill_chunk"] == 512
+    with pytest.raises(ValueError, match="--prefill-chunk must be >= 1"):
+        engine_settings(parse(["serve", "--prefill-chunk", "0"]))

@@ -25,6 +25,7 @@ NAMES = (
     "kvzipwhole",
     "kvziplayer",
     "kvzipwindow",
+    "kvziplayerwindow",
     "full",
 )
 DEFAULT = "globalkv"  # the default of generate, demo, the engine and serve: the best in docs/accuracy.md

@@ -59,6 +59,8 @@ def build(name: str, budget: Budget = None, *, sinks: int = 4) -> Policy:
         return AdaKV(KVzip(budget=budget, whole_cache=True))
     if key == "kvzipwindow":
         return AdaKV(KVzip(budget=budget, whole_cache=True, window=32, share=0.6))
+    if key == "kvziplayerwindow":
+        return AdaKV(KVzip(budget=budget, window=32, share=0.6))
     if key == "kvziplayer":
         return AdaKV(KVzip(budget=budget))
     if key == "adakv":

@@ -53,7 +53,7 @@ def ask(run: Engine, prompt: list[int], **kwargs):
     return request
 
 
-@pytest.mark.parametrize("name", ["kvzip", "kvziplayer"])  # per KV head; each layer's heads ranked together (AdaKV)
+@pytest.mark.parametrize("name", ["kvzip", "kvziplayer", "kvziplayerwindow"])  # per KV head; a layer's heads together
 @pytest.mark.parametrize(("length", "chunk", "budget"), [(40, 16, 0.5), (33, 16, 12), (12, 16, 0.5), (45, None, 0.3)],
                          ids=["chunks", "one-token-tail", "one-chunk", "whole"])  # fmt: skip
 def test_a_kvzip_request_equals_the_library_one_cache_run(length, chunk, budget, name):

@@ -168,7 +168,17 @@ def test_the_preset_brings_its_tasks_policies_and_budgets_and_flags_win(monkeypa
     monkeypatch.setattr(run, "run_eval", lambda model, tokenizer, **kw: seen.update(kw) or [])
     assert cli.main(["eval", "--size", "compress-once", "--out", str(tmp_path)]) == 0
     assert seen["tasks"] == ["retrieval"] and seen["budgets"] == [0.25, 0.1] and seen["size"].retrieval == ret
-    assert seen["policies"] == ["kvzipwindow", "kvzipwhole", "kvzip", "keydiff", "snapkv", "globalkv", "tova", "h2o"]
+    assert seen["policies"] == [
+        "kvzipwindow",
+        "kvziplayerwindow",
+        "kvzipwhole",
+        "kvzip",
+        "keydiff",
+        "snapkv",
+        "globalkv",
+        "tova",
+        "h2o",
+    ]
     argv = ["eval", "--size", "compress-once", "--policies", "h2o", "--budgets", "0.5", "--questions", "2", "--tasks",
             "retrieval,fidelity", "--out", str(tmp_path)]  # fmt: skip
     assert cli.main(argv) == 0

@@ -179,7 +179,8 @@ SIZES: dict[str, Size] = {
         FidelitySize(prompts=6, passage_tokens=1024, new_tokens=64),
         SummarizeSize(records=8, new_tokens=64, document_tokens=2048),
         eval_tasks=("retrieval",),
-        policies=("kvzipwindow", "kvzipwhole", "kvzip", "keydiff", "snapkv", "globalkv", "tova", "h2o"),
+        policies=("kvzipwindow", "kvziplayerwindow", "kvzipwhole", "kvzip", "keydiff", "snapkv", "globalkv", "tova",
+                  "h2o"),
         budgets=(0.25, 0.1),
     ),
 }  # fmt: skip

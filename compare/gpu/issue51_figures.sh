@@ -3,7 +3,8 @@
 # 1. compare/gpu/check_issue51.py --cells step,engine-step: the engine's steady iteration against the study's
 #    captured step for the same ragged batch of 8 (SmolLM2-135M's shapes);
 # 2. the GPU study's 8B cells at 32k x 8 (h2o_kv/studies/bench/gpu.py): StaticCache eager, H2O 20 % and the whole
-#    context (a 100 % budget: the full cache's bytes) on the same kernel, each replayed from a CUDA graph;
+#    context (a 100 % budget: the full cache's bytes) on the same kernel, each replayed from a CUDA graph; prefill
+#    at 32k: SDPA, H2O in one call and in the engine's 4,096-token calls (where the serving run's prefill went);
 # 3. compare/gpu/serving_run.py: 32 requests of 4k-32k tokens through the engine, H2O 20 % against Full().
 # Uses .whl/*.whl (the transformers wheel, carried beside the tree). Writes to $OUT: machine.txt, issue51.jsonl,
 # gpu.jsonl, tables.md, serving.jsonl, run logs. Timeouts (seconds): STEP_TIMEOUT, STUDY_TIMEOUT, SERVE_TIMEOUT.
@@ -20,6 +21,6 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 } 2>&1 | tee "$OUT/machine.txt"
 timeout ${STEP_TIMEOUT:-70} python3 compare/gpu/check_issue51.py --out "$OUT" --cells step,engine-step 2>"$OUT/check.log" | cut -c1-400
 timeout ${STUDY_TIMEOUT:-170} python3 -m h2o_kv.studies.bench.gpu --shapes llama3-8b --out "$OUT" \
-  --only static,h2o-captured,full-captured 2>&1 | tee "$OUT/study.log" | grep -v '^{' | tail -3
+  --only ${CELLS_8B:-static,h2o-captured,full-captured,prefill} 2>&1 | tee "$OUT/study.log" | grep -v '^{' | tail -3
 python3 -m h2o_kv.studies.bench.gpu --report --out "$OUT" | tail -8
 timeout ${SERVE_TIMEOUT:-270} python3 compare/gpu/serving_run.py --out "$OUT" 2>"$OUT/serving.log" | cut -c1-600

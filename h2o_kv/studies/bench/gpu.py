@@ -153,7 +153,9 @@ def same_memory(model, done: dict, context: int, batch: int, steps: int, device)
 
 
 def run_prefill(model, context: int, device, repeats: int) -> dict:
-    """Prefill seconds of one sequence of `context` tokens: the stock model (SDPA, DynamicCache), H2O, SnapKV."""
+    """Prefill seconds of one sequence of `context` tokens: the stock model (SDPA, DynamicCache), H2O, SnapKV, and
+    H2O read in calls of 4,096 tokens as the engine reads a prompt (`h2o-chunked`: each call's attention over the
+    kept slots and itself, then eviction)."""
     from transformers import DynamicCache
 
     ids = torch.randint(model.config.vocab_size, (1, context), device=device)
@@ -163,11 +165,13 @@ def run_prefill(model, context: int, device, repeats: int) -> dict:
         model.set_attn_implementation("sdpa")
         model(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
 
-    for name, fn in (("sdpa", stock), ("h2o", None), ("snapkv", None)):
+    for name, fn in (("sdpa", stock), ("h2o", None), ("snapkv", None), ("h2o-chunked", None)):
         times = []
+        chunk = min(4096, context // 4) if name.endswith("-chunked") else None
         for _ in range(repeats + 1):
             if fn is None:
-                times.append(h2o_cache(model, name, int(BUDGET * context), context, 1, device)[1])
+                policy = name.removesuffix("-chunked")
+                times.append(h2o_cache(model, policy, int(BUDGET * context), context, 1, device, chunk=chunk)[1])
             else:
                 times.append(clock(device, fn))
         out[name] = statistics.median(times[1:])

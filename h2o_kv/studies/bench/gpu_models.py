@@ -60,9 +60,9 @@ def copy_rate(device: torch.device, nbytes: int) -> float:
     return 2 * nbytes / seconds
 
 
-def h2o_cache(model, name: str, budget: int, prompt_len: int, batch: int, device, kv_dtype=None):
-    """A KVCache of `name` (h2o or snapkv) at `budget` tokens, prefilled with a random prompt; (cache, prefill s,
-    the greedy next token)."""
+def h2o_cache(model, name: str, budget: int, prompt_len: int, batch: int, device, kv_dtype=None, chunk=None):
+    """A KVCache of `name` (h2o or snapkv) at `budget` tokens, prefilled with a random prompt (in calls of `chunk`
+    tokens, as the engine reads a prompt, if given); (cache, prefill s, the greedy next token)."""
     from h2o_kv import KVCache, enable
     from h2o_kv.policies import build
     from h2o_kv.runtime.generation import prefill
@@ -71,5 +71,5 @@ def h2o_cache(model, name: str, budget: int, prompt_len: int, batch: int, device
     cache = KVCache(build(name, budget), kv_dtype=kv_dtype)
     ids = torch.randint(model.config.vocab_size, (batch, prompt_len), device=device)
     box = {}
-    seconds = clock(device, lambda: box.update(logits=prefill(model, cache, ids)))
+    seconds = clock(device, lambda: box.update(logits=prefill(model, cache, ids, chunk=chunk)))
     return cache, seconds, box["logits"].argmax(-1)

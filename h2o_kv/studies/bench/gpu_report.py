@@ -40,7 +40,7 @@ def report(rows: list[dict]) -> str:
         pre = mine.get("prefill", {})
         if "sdpa" in pre:
             lines += ["", "| prefill, batch 1 | seconds | vs SDPA |", "| --- | --- | --- |"]
-            for name in ("sdpa", "h2o", "snapkv"):
+            for name in ("sdpa", "h2o", "snapkv", "h2o-chunked"):
                 lines.append(f"| {name} | {pre[name]:.3f} | {pre[name] / pre['sdpa']:.2f} |")
         ops = mine.get("attention-ops", {})
         if "sdpa_ms" in ops:

@@ -49,7 +49,10 @@ def test_replayed_cache_equals_a_direct_prefill(llama, policy, budget) -> None:
         assert replayed.kept_tokens < 40
 
 
-@pytest.mark.parametrize(("policy", "budgets"), [("kvzip", (40, 12, 0.25)), ("kvzipwhole", (12, 5))])
+@pytest.mark.parametrize(
+    ("policy", "budgets"),
+    [("kvzip", (40, 12, 0.25)), ("kvzipwhole", (12, 5)), ("kvzipwindow", (12, 5)), ("kvziplayerwindow", (12, 0.25))],
+)
 def test_kvzip_pass_recorded_once_leaves_each_cache_as_its_own_pass(llama, policy, budgets) -> None:
     """KVzip's pass recorded once (`record_pass`) and replayed into caches of other budgets and allocations (per
     head, whole cache) leaves each as `h2o_kv.compress` on it does: the same kept positions, keys, values and

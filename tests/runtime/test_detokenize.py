@@ -4,6 +4,8 @@ while each step decodes a bounded number of tokens."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import transformers as tf
@@ -14,12 +16,19 @@ TEXT = "Ophelia: «Il était une fois» — naïve café, 東京 and Zürich �
 
 
 def bundled(name: str):
-    from h2o_kv.runtime.models import _resolve, bundled_gguf_path
+    from h2o_kv.runtime.models import bundled_gguf_path
 
     try:
         bundled_gguf_path(name)
     except FileNotFoundError as err:
         pytest.skip(str(err))
+    return _load(name)
+
+
+@functools.cache
+def _load(name: str):  # once per model: a GGUF tokenizer takes seconds to read
+    from h2o_kv.runtime.models import _resolve
+
     return tf.AutoTokenizer.from_pretrained(_resolve(name))
 
 

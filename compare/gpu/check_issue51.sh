@@ -6,17 +6,7 @@
 #    test_triton.py, test_triton_pooled.py), and the engine's CUDA graphs (test_captured_steps.py) on the GPU.
 # Variables: TESTS=0 skips 2; CHECK_TIMEOUT, TEST_TIMEOUT (seconds). Uses .whl/*.whl (a transformers wheel, carried
 # beside the tree) where present. Writes to $OUT: machine.txt, issue51.jsonl, check.log, pytest.txt.
-set -o pipefail
-OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-fi
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-{
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
-  git log -1 --format='%h %s' 2>/dev/null; git status --short 2>/dev/null | head -20
-} 2>&1 | tee "$OUT/machine.txt"
+source compare/gpu/prepare.sh  # $OUT, the carried wheels, $OUT/machine.txt
 timeout ${CHECK_TIMEOUT:-300} python3 compare/gpu/check_issue51.py --out "$OUT" 2>"$OUT/check.log" | cut -c1-600
 if [ "${TESTS:-1}" = 1 ]; then
   timeout ${TEST_TIMEOUT:-150} python3 -m pytest -v -p no:cacheprovider -rf -n 8 --tb=short --maxfail=8 \

@@ -8,17 +8,7 @@
 # 3. compare/gpu/serving_run.py: 32 requests of 4k-32k tokens through the engine, H2O 20 % against Full().
 # Uses .whl/*.whl (the transformers wheel, carried beside the tree). Writes to $OUT: machine.txt, issue51.jsonl,
 # gpu.jsonl, tables.md, serving.jsonl, run logs. Timeouts (seconds): STEP_TIMEOUT, STUDY_TIMEOUT, SERVE_TIMEOUT.
-set -o pipefail
-OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-fi
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-{
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
-  git log -1 --format='%h %s' 2>/dev/null; git status --short 2>/dev/null | head -20
-} 2>&1 | tee "$OUT/machine.txt"
+source compare/gpu/prepare.sh  # $OUT, the carried wheels, $OUT/machine.txt
 timeout ${STEP_TIMEOUT:-70} python3 compare/gpu/check_issue51.py --out "$OUT" --cells step,engine-step 2>"$OUT/check.log" | cut -c1-400
 timeout ${STUDY_TIMEOUT:-170} python3 -m h2o_kv.studies.bench.gpu --shapes llama3-8b --out "$OUT" \
   --only ${CELLS_8B:-static,h2o-captured,full-captured,prefill} 2>&1 | tee "$OUT/study.log" | grep -v '^{' | tail -3

@@ -5,8 +5,10 @@ one question per prompt, each answerable by a short string found in the passage,
 with "Answer in a few words." Each model reads each prompt once (`shared_greedy`: the prompt read in one call, as
 `h2o-kv generate` and `demo` read it, replayed into every policy's cache) and answers greedily under Full and every
 `policy@budget`, stopping at the end of the first line; a `policy@budget/chunk` cache reads the prompt itself in
-chunks, evicting between them, as the engine does with `prefill_chunk` (serve's default: 256). Scored by
-substring (case and hyphens ignored); the bytes are the kept keys and values after the prompt (`kept_nbytes`). One
+chunks, evicting between them, as the engine does with `prefill_chunk` (serve's default on a CPU: 256); a KVzip
+policy's (which ranks by a pass over the held prompt) is answered by the engine itself (`_served`). Scored by
+substring (case and hyphens ignored); the bytes are the kept keys and values after the prompt (`kept_nbytes`; a
+served answer's: at its end). One
 JSON line per (model, words, question) in `--out`, so an interrupted run resumes where it stopped; `--table`
 prints the summary as markdown.
 
@@ -99,12 +101,14 @@ def run(models: Sequence[str], out: Path, *, words: int, compared: Sequence[str]
         if not todo:
             continue
         model, tokenizer = load_model(name)
-        caches, chunked = {"full": lambda: KVCache(policies.Full())}, {}
+        caches, chunked, served = {"full": lambda: KVCache(policies.Full())}, {}, {}
         for key in compared:
             policy, _, rest = key.partition("@")
             budget, _, chunk = rest.partition("/")
             built = policies.build(policy, policies.parse_budget(budget))
-            if chunk:  # read in chunks with eviction between them, as the engine and serve do
+            if chunk and built.reconstructs:  # KVzip's pass over the prompt's chunks: the engine, as serve runs it
+                served[key] = (built, int(chunk))
+            elif chunk:  # read in chunks with eviction between them, as the engine and serve do
                 chunked[key] = lambda b=built, c=int(chunk): KVCache(b, prefill_chunk=c)
             else:  # read in one call, as generate and demo do: replayed from the shared prefill
                 caches[key] = lambda b=built: KVCache(b)
@@ -116,6 +120,8 @@ def run(models: Sequence[str], out: Path, *, words: int, compared: Sequence[str]
                                     done=first_line(tokenizer), tokenizer=tokenizer)  # fmt: skip
             for key, make in chunked.items():
                 answers[key] = _chunked(model, ids, make, max_new_tokens, eos, first_line(tokenizer))
+            for key, (built, chunk) in served.items():
+                answers[key] = _served(model, tokenizer, ids, built, chunk, max_new_tokens, first_line(tokenizer))
             cells = {}
             for key, (tokens, kept) in answers.items():
                 said = tokenizer.decode(tokens, skip_special_tokens=True).strip()
@@ -140,6 +146,19 @@ def _chunked(model, ids: list[int], make, max_new_tokens: int, eos: set[int], do
         first = forward(model, cache, torch.tensor([ids], device=model.device))
         kept = cache.kept_nbytes()
         return greedy_continue(model, cache, first, len(ids), max_new_tokens, eos, done), kept
+
+
+def _served(model, tokenizer, ids: list[int], policy, chunk: int, max_new_tokens: int, done) -> tuple[list[int], int]:
+    """A greedy answer from the engine `serve` runs, the prompt read `chunk` tokens a step (a KVzip policy's pass
+    holds them, then ranks), cut where `done` says, as the other answers are; the bytes its cache kept at the end."""
+    from h2o_kv.runtime.engine import Engine
+
+    engine = Engine(model, tokenizer, max_batch=1, prefill_chunk=chunk)
+    request = engine.submit(ids, max_tokens=max_new_tokens, policy=policy)
+    engine.run()
+    tokens = request.result().token_ids
+    end = next((n for n in range(1, len(tokens) + 1) if done(tokens[:n])), len(tokens))
+    return tokens[:end], request.stats(timeout=0).get("kv_kept_bytes", 0)
 
 
 def _rows(path: Path) -> list[dict]:

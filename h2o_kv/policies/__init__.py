@@ -9,6 +9,7 @@ from h2o_kv.policies.budget import (
     FRACTION_FLOOR,
     MAX_TOKENS,
     NAMES,
+    SERVE_DEFAULT,
     Budget,
     budget_tokens,
     check_budget_value,
@@ -31,7 +32,7 @@ _LAZY = {
 CLASSES = ("Policy", "H2O", "Local", "StreamingLLM", "TOVA", "SnapKV", "KeyDiff", "KVzip", "AdaKV", "LayerBudgets",
            "Sinks", "Full")  # fmt: skip
 
-__all__ = ["MAX_TOKENS", "NAMES", "DEFAULT", "FRACTION_FLOOR", "Budget", "budget_tokens", "check_budget_value",
-           "is_fraction", "parse_budget", "policy_key", "short_fraction", *_LAZY]  # fmt: skip
+__all__ = ["MAX_TOKENS", "NAMES", "DEFAULT", "SERVE_DEFAULT", "FRACTION_FLOOR", "Budget", "budget_tokens",
+           "check_budget_value", "is_fraction", "parse_budget", "policy_key", "short_fraction", *_LAZY]  # fmt: skip
 
 __getattr__ = exports(__name__, _LAZY)

@@ -28,7 +28,11 @@ NAMES = (
     "kvziplayerwindow",
     "full",
 )
-DEFAULT = "globalkv"  # the default of generate, demo, the engine and serve: the best in docs/accuracy.md
+DEFAULT = "globalkv"  # generate's, demo's and the engine's default: docs/accuracy.md's best for a prompt read whole
+#: `serve`'s default: it reads a prompt in chunks, and a KVzip pass holds them all before it ranks, so the question at
+#: the prompt's end is read before anything goes (GlobalKV evicts between chunks, before it: results/defaults); the
+#: window keeps what that question asks about, and each layer at heads x budget lets served requests batch together
+SERVE_DEFAULT = "kvziplayerwindow"
 
 Budget = float | int | None  # None: the Full cache
 

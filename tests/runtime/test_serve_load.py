@@ -230,7 +230,7 @@ def test_kv_memory_sizes_and_serve_flags() -> None:
     parse = build_parser().parse_args
     settings = engine_settings(parse(["serve", "--budget", "20%", "--kv-memory", "1GiB", "--max-batch", "8"]))
     assert (settings["policy"], settings["budget"], settings["kv_memory"], settings["max_batch"]) == (
-        policies.DEFAULT,
+        policies.SERVE_DEFAULT,
         0.2,
         2**30,
         8,

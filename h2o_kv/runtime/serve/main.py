@@ -203,7 +203,11 @@ def add_parser(sub) -> None:
     serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: from --model)")
     serve.add_argument("--device", default="cpu")
     serve.add_argument(
-        "--policy", default=policies.DEFAULT, choices=policies.NAMES, help=f"default KV policy ({policies.DEFAULT})"
+        "--policy",
+        default=policies.SERVE_DEFAULT,
+        choices=policies.NAMES,
+        help=f"default KV policy ({policies.SERVE_DEFAULT}: KVzip's pass over the whole prompt, the question at its "
+        "end kept; docs/serving.md)",
     )
     serve.add_argument(
         "--budget",

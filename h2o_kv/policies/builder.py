@@ -32,8 +32,9 @@ def build(name: str, budget: Budget = None, *, sinks: int = 4) -> Policy:
     the whole cache at once when its pass ends (KVzip's own allocation: AdaKV's pooled rows, layers of their own size;
     the engine decodes such a request in a batch of its own once its pass has evicted); "kvziplayer" ranks each
     layer's heads together (AdaKV's pooled rows, every layer at heads x budget, so its requests batch together);
-    "kvzipwindow" is "kvzipwhole" whose context's last 32 queries also pick 60 % of each row first (a question inside
-    the prompt kept as well as one that comes later; KVzip's `window`).
+    "kvzipwindow" is "kvzipwhole" whose context's last 32 queries also pick 30 % of each row first (a question inside
+    the prompt kept as well as one that comes later; KVzip's `window`); "kvziplayerwindow" is "kvziplayer" with the
+    window picking 60 % (its requests batch together in the engine: `serve`'s default).
     """
     key = policy_key(name)
     if key == "full":
@@ -58,7 +59,7 @@ def build(name: str, budget: Budget = None, *, sinks: int = 4) -> Policy:
     if key == "kvzipwhole":
         return AdaKV(KVzip(budget=budget, whole_cache=True))
     if key == "kvzipwindow":
-        return AdaKV(KVzip(budget=budget, whole_cache=True, window=32, share=0.6))
+        return AdaKV(KVzip(budget=budget, whole_cache=True, window=32, share=0.3))
     if key == "kvziplayerwindow":
         return AdaKV(KVzip(budget=budget, window=32, share=0.6))
     if key == "kvziplayer":

@@ -231,9 +231,9 @@ def test_whole_cache_needs_pooled_rows_and_is_not_served():
 
 
 def test_kvzipwindow_builds_by_name_and_refuses_windows_that_mean_nothing():
-    assert build("kvzipwindow", 0.25) == AdaKV(KVzip(budget=0.25, whole_cache=True, window=32, share=0.6))
+    assert build("kvzipwindow", 0.25) == AdaKV(KVzip(budget=0.25, whole_cache=True, window=32, share=0.3))
     assert build("kvziplayerwindow", 64) == AdaKV(KVzip(budget=64, window=32, share=0.6))
-    assert "window=32, share=0.6" in build("kvzipwindow", 0.25).describe()
+    assert "window=32, share=0.3" in build("kvzipwindow", 0.25).describe()
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="share"):
             KVzip(budget=8, window=4, share=bad)

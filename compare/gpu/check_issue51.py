@@ -73,7 +73,6 @@ def count_kernel_steps():
 
 def engine_cell(model, device, kv_dtype, dry: bool) -> dict:
     """The workload through the engine three ways (module docstring)."""
-    from h2o_kv.runtime.captured import CapturedSteps
     from h2o_kv.runtime.engine import Engine
 
     tokenizer = word_tokenizer(model.config.vocab_size)
@@ -86,8 +85,7 @@ def engine_cell(model, device, kv_dtype, dry: bool) -> dict:
         engine = Engine(model, tokenizer, max_batch=8, prefill_chunk=64 if dry else 512, budget=0.2,
                         kv_dtype=kv_dtype, rows_in_place=in_place, captured_steps=captured and not dry)  # fmt: skip
         if captured and dry:  # no CUDA graphs on a CPU: the stand-in that runs each replay eagerly
-            engine._steps = CapturedSteps(model, eos=engine.eos, prefill_chunk=64, held=engine._note_peaks,
-                                          graphs=Rerun())  # fmt: skip
+            rerun_steps(engine)
         counts, undo = count_kernel_steps()
         handles = [engine.submit(ids, max_tokens=n, policy=policy, ignore_eos=True) for ids, n, policy in work]
         sync(device)
@@ -112,13 +110,12 @@ def engine_cell(model, device, kv_dtype, dry: bool) -> dict:
 
 def engine_step_cell(model, lengths: list[int], steps: int, device, dry: bool) -> dict:
     """ms per engine iteration once the batch of `lengths` prompts is steady and replayed (module docstring)."""
-    from h2o_kv.runtime.captured import CapturedSteps
     from h2o_kv.runtime.engine import Engine
 
     engine = Engine(model, word_tokenizer(model.config.vocab_size), max_batch=len(lengths), budget=0.2,
                     prefill_chunk=64 if dry else 1024, rows_in_place=True, captured_steps=not dry)  # fmt: skip
     if dry:
-        engine._steps = CapturedSteps(model, eos=engine.eos, prefill_chunk=64, held=engine._note_peaks, graphs=Rerun())
+        rerun_steps(engine)
     gen = torch.Generator().manual_seed(3)
     handles = [engine.submit(torch.randint(3, model.config.vocab_size, (n,), generator=gen).tolist(),
                              max_tokens=3 * steps + 64, policy="h2o", ignore_eos=True) for n in lengths]  # fmt: skip
@@ -149,6 +146,15 @@ class Rerun:
     def record(self, step, cache):
         out = step()
         return (lambda: out.copy_(step())), out
+
+
+def rerun_steps(engine) -> None:
+    """Give `engine` (on a CPU, the dry run) captured steps whose replays run eagerly (`Rerun`), so the engine's
+    recording logic runs where there are no CUDA graphs."""
+    from h2o_kv.runtime.captured import CapturedSteps
+
+    engine._steps = CapturedSteps(engine.model, eos=engine.eos, prefill_chunk=engine.prefill_chunk,
+                                  held=engine._note_peaks, graphs=Rerun())  # fmt: skip
 
 
 def steady_batch(model, lengths: list[int], device, in_place: bool):

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere: the repository's h2o_kv
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from check_issue51 import word_tokenizer  # noqa: E402
+from check_issue51 import rerun_steps, word_tokenizer  # noqa: E402
 
 from h2o_kv.studies.bench.gpu_models import make_model, sync  # noqa: E402
 from h2o_kv.studies.report import provenance  # noqa: E402
@@ -72,12 +72,7 @@ def serve(model, tokenizer, policy: str, setup: dict, device) -> dict:
                     max_batch=setup["requests"], prefill_chunk=setup["prefill_chunk"],
                     rows_in_place=dry or None)  # fmt: skip
     if dry:  # no CUDA graphs on a CPU: each replay runs the step again
-        from check_issue51 import Rerun
-
-        from h2o_kv.runtime.captured import CapturedSteps
-
-        engine._steps = CapturedSteps(model, eos=engine.eos, prefill_chunk=setup["prefill_chunk"],
-                                      held=engine._note_peaks, graphs=Rerun())  # fmt: skip
+        rerun_steps(engine)
     vocab, gen = model.config.vocab_size, torch.Generator().manual_seed(11)
     for _ in range(2):  # warm-up, not measured
         engine.submit(torch.randint(3, vocab, (setup["warm"],), generator=gen).tolist(), max_tokens=8, ignore_eos=True)

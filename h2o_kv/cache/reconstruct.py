@@ -68,8 +68,8 @@ class Reconstruction:
         self.settings, self.layers = settings, layers
         self.scoring_now = False
         self.windows: dict[int, int | None] = {}  # each layer's sliding window (None: full attention)
-        kvzip = kvzip_of(policy)
-        self.window, self.share = (kvzip.window, kvzip.share) if kvzip is not None else (0, 1.0)
+        kvzip = kvzip_of(policy)  # a policy that reconstructs is a KVzip or wraps one
+        self.window, self.share = kvzip.window, kvzip.share
         self.window_queries: dict[int, tuple] = {}  # each layer's last held queries: (q, positions, options)
 
     def __enter__(self) -> Reconstruction:
@@ -148,9 +148,7 @@ class Reconstruction:
         those kept from the layer's calls before it, so the context's last `window` are kept whatever its chunks."""
         batch, n = query.shape[0], query.shape[2]
         real, _ = layer.settings.padding.real_tokens(attention_mask, batch, n, query.device)
-        start = layer.next_pos.view(batch, 1) if layer.seen else torch.zeros(batch, 1, dtype=torch.long,
-                                                                             device=query.device)  # fmt: skip
-        qpos = torch.where(real, start + real.cumsum(1) - 1, -1)[:, -self.window :]
+        qpos = torch.where(real, layer.next_pos.view(batch, 1) + real.cumsum(1) - 1, -1)[:, -self.window :]
         q = query[:, :, -self.window :].to(compute_dtype(query.dtype, query.device))
         before = self.window_queries.get(layer.layer_idx)
         if before is not None:

@@ -143,8 +143,12 @@ class BudgetAndRecent(Policy):
 
     def split(self, prompt_len: torch.Tensor) -> torch.Tensor:
         """The newest tokens kept whatever their rank, per sequence: min(recent, ceil(capacity / 2))."""
+        return self.half(prompt_len).clamp(max=self.recent)
+
+    def half(self, prompt_len: torch.Tensor) -> torch.Tensor:
+        """ceil(capacity / 2) per sequence: the most the newest tokens kept whatever their rank may take."""
         total = tokens_of(self.budget, prompt_len)
-        return (total - total // 2).clamp(max=self.recent)
+        return total - total // 2
 
 
 class Wrapper(Policy):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from h2o_kv.policies.base import BudgetAndRecent, SlotState, check_budget, per_prompt, tokens_of
+from h2o_kv.policies.base import BudgetAndRecent, SlotState, check_budget, per_prompt
 
 
 @dataclass(frozen=True)
@@ -65,11 +65,6 @@ class KVzip(BudgetAndRecent):
             return recent
         return torch.minimum(recent + self.window, per_prompt(state, "half", self.half))
 
-    def half(self, prompt_len: torch.Tensor) -> torch.Tensor:
-        """ceil(capacity / 2) per sequence: the most the protected newest tokens may take."""
-        total = tokens_of(self.budget, prompt_len)
-        return total - total // 2
-
     def describe(self) -> str:
         whole = ", whole_cache=True" if self.whole_cache else ""
         window = f", window={self.window}, share={self.share:g}" if self.window else ""
@@ -85,8 +80,5 @@ def kvzip_of(policy) -> KVzip | None:
 
 def ranks_whole_cache(policy) -> bool:
     """Whether `policy` (or one it wraps) ranks the whole cache at once when KVzip's pass ends (`whole_cache=True`)."""
-    while policy is not None:
-        if getattr(policy, "whole_cache", False):
-            return True
-        policy = getattr(policy, "inner", None)
-    return False
+    kvzip = kvzip_of(policy)
+    return kvzip is not None and kvzip.whole_cache

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from h2o_kv.cache.reconstruct import PassPeaks
 from h2o_kv.runtime.compress import compress
 from h2o_kv.runtime.models import load_model
 from h2o_kv.studies.eval.decoding import new_cache
@@ -56,7 +57,7 @@ def main() -> None:
     start = time.perf_counter()
     _, passed = record_pass(model, ids, tokenizer)
     print(f"KVzip's pass recorded once: {time.perf_counter() - start:.1f} s")
-    peaks = {}
+    peaks = PassPeaks()  # filled by the replays alone (the recording above was made without it)
     for policy in args.kvzip.split(","):
         for fraction in map(float, args.fractions.split(",")):
             own = "skipped"

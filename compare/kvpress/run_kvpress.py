@@ -38,8 +38,8 @@ AdaKV only masks evicted entries (kvpress simulates head-wise budgets), so its t
 token: its bytes are the Full cache's; ``kv_tokens_effective`` counts the unmasked tokens per head.
 
 Results are cached per (press, ratio, task, context) cell in ``OUT/results.json`` after every sample, so
-an interrupted run resumes where it stopped. Samples run task by task (``--task-order``), the two
-context lengths interleaved and needle depths spread early, so a partial run is balanced. Decoding stops
+an interrupted run resumes where it stopped. Samples run round by round: each task's first sample (in
+``--task-order``), then each one's next, needle depths spread early, so a partial run is balanced. Decoding stops
 once every answer string is in the output (string match can only stay at 1.0 after that), otherwise at
 EOS or ``max_new_tokens``. ``--summarize`` only rewrites the tables from that file.
 """
@@ -180,7 +180,9 @@ def main() -> None:
     p.add_argument("--ratios", default="0.8,0.9", help="kvpress compression ratios (0.8 keeps 20 %%)")
     p.add_argument("--limit", type=int, default=0, help="first N samples per (task, context) only (0: all)")
     p.add_argument(
-        "--task-order", default="niah_single,passkey,variable_tracking", help="which task's samples run first"
+        "--task-order",
+        default="niah_single,passkey,variable_tracking",
+        help="the order of the tasks within each round of samples",
     )
     p.add_argument("--mode", choices=("shared", "standard"), default="shared",
                    help="shared: one prefill for every press; standard: each press its own (several questions: "
@@ -211,7 +213,7 @@ def main() -> None:
                 keep.append(r)
         records = keep
     # Interleave (task, context) groups and spread needle depths early (bit-reversed sample index), so a
-    # partial run has every cell with depths spread over (0, 1).
+    # partial run has every cell, with depths spread over (0, 1): each task's first sample, then each one's next.
     index: dict[tuple, int] = {}
     ranked = []
     for r in records:
@@ -219,7 +221,7 @@ def main() -> None:
         index[key] = index.get(key, 0) + 1
         ranked.append((int(f"{index[key] - 1:08b}"[::-1], 2), r))
     order = {t: i for i, t in enumerate(args.task_order.split(","))}
-    records = [r for _, r in sorted(ranked, key=lambda x: (order.get(x[1]["task"], len(order)), x[0]))]
+    records = [r for _, r in sorted(ranked, key=lambda x: (x[0], order.get(x[1]["task"], len(order))))]
     from summary import write_summary
 
     if args.summarize:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 
@@ -130,12 +131,16 @@ class Reconstruction:
         options = dict(scaling=scaling, window=window, softcap=softcap)
         memo = layer.settings.peaks
         if memo is None:
-            out, peak = _peak(layer, x, qpos, want_out=True, **options)
-        else:  # a replay of a recorded pass (output dropped): nothing is evicted, so a layout's peak is every cache's
-            key = (query.data_ptr(), tuple(query.shape), layer.head is None, layer.used, tuple(layer.keys.shape))
-            if key not in memo:
-                memo[key] = _peak(layer, x, qpos, want_out=False, **options)[1]
-            out, peak = x.new_zeros(batch, n, x.shape[1], layer.values.shape[-1]), memo[key]
+            out, by_head = _peak(layer, x, qpos, want_out=True, **options)
+        else:  # a recorded pass, run or replayed: nothing is evicted, so a call's peak per head is every cache's
+            kv, tokens = _head_slots(layer)
+            key = (query.data_ptr(), tuple(query.shape), tokens)
+            if memo.outputs or key not in memo.done:
+                out, memo.done[key] = attend_peak(x, kv, qpos, width=tokens, want_out=memo.outputs, **options)
+            if not memo.outputs:  # a replay drops the outputs
+                out = x.new_zeros(batch, n, x.shape[1], layer.values.shape[-1])
+            by_head = memo.done[key]
+        peak = _row_order(layer, by_head)
         layer.score[..., :first] = torch.maximum(layer.score[..., :first], peak[..., :first])
         for name, empty in (("pos", -1), ("score", 0.0), ("last", 0.0)):  # the call's tokens are not kept
             if getattr(layer, name) is not None:
@@ -162,7 +167,7 @@ class Reconstruction:
         probability; ties go to the earlier slot (held calls fill slots in position order, a pooled row token by
         token, heads in order)."""
         used = layer.used
-        peak = _peak(layer, q, qpos, want_out=False, **options)[1][..., :used]
+        peak = _row_order(layer, _peak(layer, q, qpos, want_out=False, **options)[1])[..., :used]
         peak = torch.where(layer.pos[..., :used] >= 0, peak, -1.0)
         picks = (self.share * layer.capacity.view(-1, 1, 1).float()).floor().clamp(min=1)
         order = peak.argsort(dim=-1, descending=True, stable=True)
@@ -170,30 +175,48 @@ class Reconstruction:
         layer.score[..., :used] += ((rank < picks) & (peak >= 0)).float() * 2.0
 
 
+@dataclass
+class PassPeaks:
+    """`Settings.peaks`: the peak attention per KV head ([B, H, tokens]) of each scoring call of one recorded KVzip
+    pass, shared by the caches that run or replay it (studies/eval/shared.py: `record_pass`, `replay_pass`). Nothing
+    is evicted during a pass, so a call's peak is the same in every cache whatever its budget or layout (per head,
+    or head-pooled: the same numbers in the row's order), and is computed once. `outputs`: the calls' outputs are
+    computed (the recording's run, whose layers need them); a replay drops them and computes only what it lacks."""
+
+    done: dict = field(default_factory=dict)
+    outputs: bool = False
+
+
 def _peak(layer, q: torch.Tensor, qpos: torch.Tensor, **options) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """`attend_peak` over `layer`'s slots during the pass: a row per KV head, or a head-pooled row (`_peak_by_head`)."""
-    if layer.head is not None:
-        return _peak_by_head(layer, q, qpos, **options)
-    kv = Slots(layer.keys, layer.values, layer.pos, layer.key_scale, layer.value_scale)
-    return attend_peak(q, kv, qpos, width=layer.used, **options)
+    """`attend_peak` over `layer`'s slots during the pass, per KV head ([B, H, tokens]; `_row_order` puts it in the
+    layer's slot order)."""
+    kv, tokens = _head_slots(layer)
+    return attend_peak(q, kv, qpos, width=tokens, **options)
 
 
-def _peak_by_head(layer, q: torch.Tensor, qpos: torch.Tensor, **options) -> tuple[torch.Tensor, torch.Tensor]:
-    """`attend_peak` over a head-pooled row (AdaKV) during the pass: nothing has been evicted, so the row holds the
-    context and this call token-major, each token's heads side by side in order (pooled.py), and is read as
-    [B, heads, tokens] views, each query head against its own head's slots only (the row as one masked head would
-    multiply every query head by every head's slots). The peak comes back in the row's order, [B, 1, used]."""
+def _head_slots(layer) -> tuple[Slots, int]:
+    """`layer`'s slots during the pass as a row per KV head [B, H, tokens, ...], and the tokens. A head-pooled row
+    (AdaKV) holds the context and this call token-major, each token's heads side by side in order (pooled.py): it is
+    read by head (a copy in a per-head layout, so its peak is a per-head layer's number for number), each query head
+    against its own head's slots only (the row as one masked head would multiply every query head by every head's
+    slots)."""
+    if layer.head is None:
+        return Slots(layer.keys, layer.values, layer.pos, layer.key_scale, layer.value_scale), layer.used
     heads, width = layer.kv_heads, layer.used
     if width % heads:
         raise RuntimeError(f"a pooled row in KVzip's pass holds whole tokens: {width} slots for {heads} heads")
 
     def by_head(t: torch.Tensor | None) -> torch.Tensor | None:  # [B, 1, S, ...] -> [B, heads, width / heads, ...]
-        return None if t is None else t[:, 0, :width].unflatten(1, (width // heads, heads)).transpose(1, 2)
+        return None if t is None else t[:, 0, :width].unflatten(1, (width // heads, heads)).transpose(1, 2).contiguous()
 
     kv = Slots(by_head(layer.keys), by_head(layer.values), by_head(layer.pos), by_head(layer.key_scale),
                by_head(layer.value_scale))  # fmt: skip
-    out, peak = attend_peak(q, kv, qpos, width=width // heads, **options)
-    return out, peak.transpose(1, 2).reshape(q.shape[0], 1, width)
+    return kv, width // heads
+
+
+def _row_order(layer, peak: torch.Tensor) -> torch.Tensor:
+    """A per-head peak [B, H, tokens] in `layer`'s slot order: as is, or a head-pooled row's [B, 1, tokens x H]."""
+    return peak if layer.head is None else peak.transpose(1, 2).reshape(peak.shape[0], 1, -1)
 
 
 def attend_peak(q: torch.Tensor, kv: Slots, qpos: torch.Tensor, *, width: int, scaling: float, window: int | None,

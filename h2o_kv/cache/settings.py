@@ -57,9 +57,9 @@ class Settings:
         # the attention function of the layers' calls while set, in place of `routes.attend` (same arguments and
         # results): a study replaying one recorded prefill into many caches computes each call's scores once
         self.attention = None
-        # while set, a replay's memo of KVzip's pass (reconstruct.py; the replay drops the outputs): each scoring
-        # call's peak attention computed once per storage layout, for every cache the recorded pass is replayed into
-        self.peaks: dict | None = None
+        # while set, the peaks of a recorded KVzip pass (`reconstruct.PassPeaks`): each scoring call's peak attention
+        # computed once, by the recording's run or the first replay, for every cache the pass is replayed into
+        self.peaks = None
 
     def check_context(self, seen: int, next_pos: torch.Tensor, config) -> None:
         """Warn, once per cache, when a sequence's positions go past the model's context (`max_position_embeddings`

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from h2o_kv.cache.reconstruct import PassPeaks
 from h2o_kv.runtime.generation import forward, greedy_continue, greedy_ids
 from h2o_kv.studies.eval.decoding import new_cache
 from h2o_kv.studies.eval.shared import (
@@ -57,19 +58,22 @@ def test_kvzip_pass_recorded_once_leaves_each_cache_as_its_own_pass(llama, polic
     """KVzip's pass recorded once (`record_pass`) and replayed into caches of other budgets and allocations (per
     head, whole cache) leaves each as `h2o_kv.compress` on it does: the same kept positions, keys, values and
     reconstruction scores, bit for bit, and the same capacities (whole cache: each layer's share). At 40 nothing is
-    evicted, so every context token's score is compared. The replays share one memo of the pass's peak attention:
-    each scoring call of each layer is computed once."""
+    evicted, so every context token's score is compared. The replays share the pass's peak attention, which the
+    recording's own run computed: each scoring call of each layer once, and the replays none (per head or pooled)."""
     from h2o_kv.runtime.compress import compress
 
     tokenizer = make_tokenizer()
     ids = random_ids(1, 40, seed=5)
-    _, calls = record_pass(llama, ids[0].tolist(), tokenizer, chunk=16)
+    peaks = PassPeaks()
+    _, calls = record_pass(llama, ids[0].tolist(), tokenizer, chunk=16, peaks=peaks)
     assert all(len(layer) == len(calls[0]) == 4 for layer in calls)  # the held call, then 3 reconstruction calls
-    peaks = {}
+    computed = dict(peaks.done)
+    assert len(computed) == len(calls) * (len(calls[0]) - 1) and not peaks.outputs  # every scoring call, once
     for budget in budgets:
         direct = compress(llama, ids, cache=new_cache(policy, budget, 40), tokenizer=tokenizer, chunk=16)
         replayed = replay_pass(new_cache(policy, budget, 40), calls, peaks)
-        assert len(peaks) == len(calls) * (len(calls[0]) - 1)  # every scoring call of every layer, once
+        assert peaks.done.keys() == computed.keys()  # nothing computed again
+        assert all(peaks.done[key] is peak for key, peak in computed.items())
         assert replayed.kept_tokens == direct.kept_tokens <= 40 * len(direct.layers)
         for a, b in zip(direct.layers, replayed.layers, strict=True):
             assert kept_positions(a) == kept_positions(b)

@@ -39,6 +39,7 @@ import torch
 from h2o_kv.cache.attention import hand_off, mark_forward
 from h2o_kv.cache.kvcache import KVCache
 from h2o_kv.cache.layer import KVLayer
+from h2o_kv.cache.reconstruct import PassPeaks
 from h2o_kv.cache.routes import Call, Slots, attend
 from h2o_kv.policies import Full, KVzip, Policy
 from h2o_kv.runtime.generation import forward, greedy_together
@@ -79,29 +80,37 @@ def record_prefill(model: Any, prompt_ids: Sequence[int]) -> tuple[torch.Tensor,
 
 
 def record_pass(
-    model: Any, prompt_ids: Sequence[int], tokenizer: Any, *, chunk: int | None = None
+    model: Any, prompt_ids: Sequence[int], tokenizer: Any, *, chunk: int | None = None, peaks: PassPeaks | None = None
 ) -> tuple[torch.Tensor, list[list]]:
     """KVzip's pass over one prompt (batch 1), run once by `h2o_kv.compress` on a cache that keeps every token: the
     held call's last logits [1, V] (the next token's, every prompt token in the cache: as a served request and
     kvpress take the first token) and each layer's attention calls, the held context's first, then one per
     reconstruction call (`replay_pass` feeds them). `chunk`: context tokens per reconstruction call (`compress`'s
-    default without one)."""
+    default without one). `peaks`: filled with each scoring call's peak attention, which the replays given it reuse
+    (the recording's layers compute them anyway)."""
     from h2o_kv.runtime.compress import CHUNK, compress_with_logits
 
     recording = _Recording(KVzip(budget=max(2, len(prompt_ids))))
-    with torch.no_grad():
-        ids = torch.tensor([list(prompt_ids)], device=model.device)
-        _, logits = compress_with_logits(model, ids, cache=recording, tokenizer=tokenizer, chunk=chunk or CHUNK)
+    if peaks is not None:
+        recording.settings.peaks, peaks.outputs = peaks, True
+    try:
+        with torch.no_grad():
+            ids = torch.tensor([list(prompt_ids)], device=model.device)
+            _, logits = compress_with_logits(model, ids, cache=recording, tokenizer=tokenizer, chunk=chunk or CHUNK)
+    finally:
+        recording.settings.peaks = None
+        if peaks is not None:
+            peaks.outputs = False
     return logits, recording.calls
 
 
-def replay_pass(cache: KVCache, calls: list[list], peaks: dict | None = None) -> KVCache:
+def replay_pass(cache: KVCache, calls: list[list], peaks: PassPeaks | None = None) -> KVCache:
     """KVzip's pass in `cache` (an empty cache of a policy that `reconstructs`) from `record_pass`'s calls: the held
     call, then each reconstruction call as a scoring call; leaving the pass ranks, then the prompt ends, as
-    `h2o_kv.compress` leaves it. The outputs are dropped (a scoring call computes none); returns `cache`. `peaks`: a
-    dict kept across the replays of these calls (`Settings.peaks`), so that each scoring call's peak attention is
-    computed once per storage layout (per head, or whole cache) whatever the cache's budget."""
-    cache.settings.peaks = {} if peaks is None else peaks
+    `h2o_kv.compress` leaves it. The outputs are dropped (a scoring call computes none); returns `cache`. `peaks`:
+    kept across the replays of these calls (and filled by `record_pass`), so that each scoring call's peak attention
+    is computed once whatever each cache's budget and layout."""
+    cache.settings.peaks = PassPeaks() if peaks is None else peaks
     try:
         with cache.reconstruction() as rec:
             replay(cache, calls, only=range(1))
@@ -211,7 +220,7 @@ def shared_answers(
     over the (cache, question) rows of as many caches as fill `max_rows` (at least one cache), which are then let
     go: the memory held is that many caches', whatever the number of configurations. The prefill is recorded at the
     first cache that replays it, so caches that all read the prompt themselves cost no recording."""
-    recorded, passed, shared, peaks = None, None, SharedAttention(), {}
+    recorded, passed, shared, peaks = None, None, SharedAttention(), PassPeaks()
     logits_needed = not all(questions)  # query-aware: the first token from the prompt's own (held) call
     n, last = len(prompt_ids), len(questions) - 1
     stops = [None] * len(questions) if done is None else list(done)
@@ -230,7 +239,7 @@ def shared_answers(
                 replay(cache, recorded[1], shared)
                 cache.end_prompt()  # the prompt is complete: a question is its next call, the headroom counts
             elif cache.settings.kv_dtype is None:  # KVzip: its pass recorded once, the first token from its held call
-                passed = passed or record_pass(model, prompt_ids, _tokenizer_for(cache, tokenizer))
+                passed = passed or record_pass(model, prompt_ids, _tokenizer_for(cache, tokenizer), peaks=peaks)
                 replay_pass(cache, passed[1], peaks)
                 first = passed[0] if logits_needed else None
             else:

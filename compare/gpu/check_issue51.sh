@@ -13,5 +13,7 @@ if [ "${TESTS:-1}" = 1 ]; then
     tests/backends/test_triton_budgets.py tests/runtime/test_captured_steps.py tests/backends/test_triton_pooled.py \
     "tests/backends/test_triton.py::test_decode_evict_matches_the_torch_step" \
     "tests/backends/test_triton.py::test_decode_kernel_matches_literal_attention" \
+    "tests/backends/test_triton.py::test_flash_with_lse_matches_literal_attention" \
+    "tests/backends/test_triton.py::test_prompt_scores_match_literal_attention" \
     2>&1 | tee "$OUT/pytest.txt" | grep -E "FAILED|ERROR|[0-9]+ (passed|failed)"
 fi

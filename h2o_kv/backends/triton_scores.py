@@ -4,8 +4,8 @@ H2O scores each kept key by the attention probability it receives, summed over t
 query heads of its KV group. The probabilities are exp(q.k * scale - lse) with each query row's log-sum-exp
 `lse`: so the output comes from flash attention (which returns `lse` on a GPU), and `key_scores` recomputes
 q.k tile by tile in a second pass, one program per tile of keys, summing exp(q.k * scale - lse) down the
-queries. It never reads the values. Where no attention kernel hands out `lse` (a CPU under the interpreter, a
-chunk after earlier slots, float32), `row_lse` computes it in a pass of its own over the keys.
+queries. It never reads the values. Where no attention kernel hands out `lse` (a CPU under the interpreter,
+float32), `row_lse` computes it in a pass of its own over the keys.
 
 Visibility is the cache's (docs/eviction.md): query i at position qpos_i sees slot j when
 0 <= pos_j <= qpos_i (and pos_j > qpos_i - window on a sliding layer). The new tokens sit in slots
@@ -156,18 +156,23 @@ def key_scores(q, keys, pos, qpos, lse2, *, scaling: float, new_from: int, score
     return scores
 
 
-def flash_with_lse(q, keys, values, *, scaling: float):
-    """A whole causal prompt's attention on a GPU with its log-sum-exp in base 2: (out [B, Hq, n, Dv],
-    lse2 [B, Hq, n]) from cuDNN's attention where this GPU runs it (what SDPA picks on Hopper), else from the flash
-    kernel; None where neither applies (CPU, float32, head size over 256)."""
+def flash_with_lse(q, keys, values, *, scaling: float, new_from: int = 0):
+    """A causal prompt's or chunk's attention on a GPU with its log-sum-exp in base 2: (out [B, Hq, n, Dv],
+    lse2 [B, Hq, n]), keys/values [B, H, new_from + n, D] holding the n new tokens last, in order (query i sees
+    slots 0 .. new_from + i). A whole prompt (new_from 0) runs cuDNN's attention where this GPU runs it (what SDPA
+    picks on Hopper), else the flash kernel; a chunk after earlier slots runs the flash kernel, whose causal mask is
+    aligned to the last key (`flash_chunks` checks it once). None where neither applies (CPU, float32, head size
+    over 256, a chunk where the check fails): the caller then runs SDPA and `row_lse`."""
     if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16) or keys.shape[-1] > 256:
+        return None
+    if new_from and not flash_chunks(q.device.index or 0):
         return None
     group = q.shape[1] // keys.shape[1]
     if group > 1:  # these kernels want one key head per query head
         keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
-    kernel = _cudnn if cudnn_lse(q.device.index or 0) else _flash
+    kernel = _cudnn if not new_from and cudnn_lse(q.device.index or 0) else _flash
     out, lse = kernel(q, keys, values, scaling)
-    return out, lse.reshape(q.shape[:3]) * LOG2E
+    return out, lse[..., : q.shape[2]].reshape(q.shape[:3]) * LOG2E
 
 
 def _cudnn(q, keys, values, scaling: float):
@@ -179,18 +184,33 @@ def _flash(q, keys, values, scaling: float):
     return torch.ops.aten._scaled_dot_product_flash_attention(q, keys, values, 0.0, True, False, scale=scaling)[:2]
 
 
-@functools.cache
-def cudnn_lse(device: int) -> bool:
-    """Whether cuDNN's attention runs on this GPU and returns the output and natural log-sum-exp it should (checked
-    once on a small causal input against the math): a capability probe, so RuntimeError means "not here"."""
+def _math_check(device: int, kernel, n: int, width: int) -> bool:
+    """`kernel` against the math on a small causal input of n queries over `width` keys, the queries last: the output
+    and the natural log-sum-exp it should give. A capability probe, so RuntimeError means "not here"."""
     gen = torch.Generator(device=f"cuda:{device}").manual_seed(0)
-    q, k, v = torch.randn(3, 1, 2, 128, 64, device=f"cuda:{device}", generator=gen, dtype=torch.bfloat16)
+    q = torch.randn(1, 2, n, 64, device=f"cuda:{device}", generator=gen, dtype=torch.bfloat16)
+    k, v = torch.randn(2, 1, 2, width, 64, device=f"cuda:{device}", generator=gen, dtype=torch.bfloat16)
     try:
-        out, lse = _cudnn(q, k, v, 0.125)
+        out, lse = kernel(q, k, v, 0.125)
     except RuntimeError:
         return False
     logits = (q.float() @ k.float().mT) * 0.125
-    logits = logits.masked_fill(torch.ones(128, 128, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    seen = torch.arange(width, device=q.device) <= torch.arange(width - n, width, device=q.device)[:, None]
+    logits = logits.masked_fill(~seen, float("-inf"))
     ref_out = torch.softmax(logits, -1) @ v.float()
-    good_lse = torch.allclose(lse.float().reshape(1, 2, 128), logits.logsumexp(-1), atol=2e-2)
+    good_lse = torch.allclose(lse[..., :n].float().reshape(1, 2, n), logits.logsumexp(-1), atol=2e-2)
     return good_lse and torch.allclose(out.float(), ref_out, atol=3e-2)
+
+
+@functools.cache
+def cudnn_lse(device: int) -> bool:
+    """Whether cuDNN's attention runs on this GPU and returns the output and log-sum-exp it should on a whole causal
+    prompt (checked once against the math)."""
+    return _math_check(device, _cudnn, 128, 128)
+
+
+@functools.cache
+def flash_chunks(device: int) -> bool:
+    """Whether the flash kernel runs on this GPU and masks a chunk after earlier keys as the cache sees it, query i
+    seeing keys 0 .. (keys - queries) + i (checked once against the math: 64 queries over 128 keys)."""
+    return _math_check(device, _flash, 64, 128)

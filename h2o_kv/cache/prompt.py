@@ -52,16 +52,18 @@ def sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, call: Call) 
 
 
 def prompt_scores(q: torch.Tensor, kv: Slots, qpos: torch.Tensor, call: Call):
-    """On the Triton kernels (backends/triton_scores.py): the output from flash attention, or SDPA, the
-    probabilities from a second pass over the keys with each query's log-sum-exp."""
+    """On the Triton kernels (backends/triton_scores.py): the output and each query's log-sum-exp from flash
+    attention (a whole prompt, or a chunk after earlier slots), else from SDPA and a pass of `row_lse`; the
+    probabilities from a second pass over the keys with them."""
     from h2o_kv.backends import triton_scores  # Triton is not a dependency of the core
 
     keys, values = stored_as(kv, q.dtype)
-    n, width = q.shape[2], call.new_from + q.shape[2]
+    width = call.new_from + q.shape[2]
     scaling, new_from, window = call.scaling, call.new_from, call.window
     flash = None
-    if new_from == 0 and window is None:
-        flash = triton_scores.flash_with_lse(q, keys[:, :, :n], values[:, :, :n], scaling=scaling)
+    if window is None:
+        flash = triton_scores.flash_with_lse(q, keys[:, :, :width], values[:, :, :width], scaling=scaling,
+                                             new_from=new_from)  # fmt: skip
     if flash is not None:
         out, lse2 = flash
         out = out.transpose(1, 2).contiguous()

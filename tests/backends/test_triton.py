@@ -176,6 +176,28 @@ def test_prompt_scores_match_literal_attention(device, old, n, score_from, windo
     torch.testing.assert_close(scores.cpu().double(), ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash attention's log-sum-exp is a GPU's")
+@pytest.mark.parametrize("new_from,group", [(0, 1), (0, 4), (300, 1), (300, 4)])
+def test_flash_with_lse_matches_literal_attention(new_from, group):
+    """A whole prompt (new_from 0) or a chunk after `new_from` earlier slots: flash attention's output and base-2
+    log-sum-exp against float64 attention where query i sees slots 0 .. new_from + i."""
+    from h2o_kv.backends.triton_scores import LOG2E, flash_with_lse
+
+    gen = torch.Generator().manual_seed(new_from + group)
+    n, heads, dim = 200, 2, 64
+    q = torch.randn(1, heads * group, n, dim, generator=gen)
+    k, v = torch.randn(2, 1, heads, new_from + n, dim, generator=gen)
+    got = flash_with_lse(*(t.to("cuda", torch.bfloat16) for t in (q, k, v)), scaling=dim**-0.5, new_from=new_from)
+    assert got is not None, "no flash kernel for this call on this GPU"
+    visible = (torch.arange(new_from + n) <= torch.arange(new_from, new_from + n)[:, None]).expand(1, heads, n, -1)
+    q, k, v = (t.bfloat16().double() for t in (q, k, v))  # the inputs the kernel read
+    ref_out, _, _ = literal(q, k, v, visible, dim**-0.5)
+    logits = (q @ k.repeat_interleave(group, 1).mT) * dim**-0.5
+    ref_lse = logits.masked_fill(~visible.repeat_interleave(group, 1), float("-inf")).logsumexp(-1)
+    torch.testing.assert_close(got[0].cpu().double(), ref_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got[1].cpu().double() / LOG2E, ref_lse, atol=2e-2, rtol=1e-3)
+
+
 @pytest.mark.parametrize("n,new_from,want_last", [(1, None, True), (29, 0, True), (17, 11, False)])
 def test_attend_takes_the_triton_route_with_the_same_results(monkeypatch, n, new_from, want_last):
     if not interpreted():

@@ -15,6 +15,25 @@ from kvpress import (
 from torch.nn import functional as F
 
 
+class KVzipKeepingScores(KVzipPress):
+    """kvpress's KVzip, unchanged, keeping a copy of its pass's scores (`scores`) when it compresses: nothing in the
+    pass depends on the ratio (it scores, then masks the lowest), so the same context's other ratios are masked from
+    those scores (`kvzip_masks`) without running the pass again, as h2o-kv's study replays one pass per sample."""
+
+    def compress_post(self, model):
+        self.scores = self.score_val.clone()  # before compress_post lifts the sinks' scores in place
+        super().compress_post(model)
+
+
+def kvzip_masks(model, scores, ratio: float) -> list:
+    """The masks kvpress's KVzip at `ratio` leaves on `model`'s attention modules after a pass that gave `scores`
+    (its own `compress_post`, on a copy of them)."""
+    press = KVzipPress(compression_ratio=ratio)
+    press.score_val = scores.clone()
+    press.compress_post(model)
+    return [layer.self_attn.masked_key_indices for layer in model.model.layers]
+
+
 class TOVAPerKVHead(TOVAPress):
     """kvpress's TOVA with one setting of h2o-kv's: each KV head ranks tokens by its own query group's attention
     (h2o-kv's TOVA), not by the mean over all of the layer's heads (kvpress's, every head keeping the same tokens).
@@ -46,7 +65,7 @@ PRESSES = {
     "tova_per_kv_head": lambda r: TOVAPerKVHead(compression_ratio=r),
     # issue 50's query-agnostic candidates: KVzip ranks the context by having the model repeat it (its own passes),
     # KeyDiff by each key's cosine distance from the mean key
-    "kvzip": lambda r: KVzipPress(compression_ratio=r),
+    "kvzip": lambda r: KVzipKeepingScores(compression_ratio=r),
     "keydiff": lambda r: KeyDiffPress(compression_ratio=r),
 }
 DEFAULT_PRESSES = ("snapkv", "expected_attention", "tova", "streamingllm", "observed_attention", "adakv_snapkv")

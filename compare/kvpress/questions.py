@@ -7,7 +7,9 @@ and the question's and answer's tokens cut from the cache before the next (`gene
 ``question_ids``) rather than text, whose `preprocess` would tokenize again through the chat template: kvpress reads
 the ids h2o-kv's ``--questions`` study feeds. ``--mode standard`` runs `_forward` for every press (the documented
 way); ``--mode shared`` compresses once for every press (`kv_tools.shared_prefill`) and runs the pipeline's own
-question loop on each press's cache; a press with passes of its own (KVzip) always runs `_forward`. Each answer is
+question loop on each press's cache; a press with passes of its own (KVzip) runs `_forward` at its first ratio, and
+its other ratios mask the same cache from that pass's scores (`press_registry.kvzip_masks`: the pass does not
+depend on the ratio). Each answer is
 scored by its own question's golds; the KV bytes are those of the compressed context.
 """
 
@@ -18,7 +20,7 @@ import time
 import torch
 from kv_tools import attn_modules, kv_stats, score, set_masks, shared_prefill
 from kvpress import KVPressTextGenerationPipeline
-from press_registry import EAGER, OWN_PASS, PRESSES
+from press_registry import EAGER, OWN_PASS, PRESSES, kvzip_masks
 from transformers import DynamicCache
 
 
@@ -84,13 +86,24 @@ def run_questions(models: dict, rec: dict, todo: list, mode: str) -> dict:
                         **stats, "prefill_s": round(prefill_s, 3), "decode_s": round(decode_s, 3)}  # fmt: skip
 
     shared = [c for c in todo if mode == "shared" and c[0] not in OWN_PASS]
+    passes = {}  # KVzip's pass over this context, by press: (its scores, the cache), which its other ratios reuse
     for cfg in (c for c in todo if c not in shared):
-        model = models["eager" if cfg[0] in EAGER else "sdpa"]
+        kind = "eager" if cfg[0] in EAGER else "sdpa"
+        model = models[kind]
         set_masks(model, None)
-        press = None if cfg[0] == "full" else PRESSES[cfg[0]](cfg[1])
-        answers, cache, prefill_s, decode_s = native(pipes["eager" if cfg[0] in EAGER else "sdpa"], press, context,
-                                                     questions, new)  # fmt: skip
-        finish(cfg, answers, kv_stats(cache, masks_of(model)), prefill_s, decode_s)
+        if cfg[0] in passes:  # masked from the pass already run (mode shared), then the pipeline's question loop
+            scores, cache = passes[cfg[0]]
+            begin = time.perf_counter()
+            masks = kvzip_masks(model, scores, cfg[1])
+            prefill_s, begin = time.perf_counter() - begin, time.perf_counter()
+            answers = ask(pipes[kind], cache, n, questions, new)
+            finish(cfg, answers, kv_stats(cache, masks), prefill_s, time.perf_counter() - begin)
+        else:
+            press = None if cfg[0] == "full" else PRESSES[cfg[0]](cfg[1])
+            answers, cache, prefill_s, decode_s = native(pipes[kind], press, context, questions, new)
+            finish(cfg, answers, kv_stats(cache, masks_of(model)), prefill_s, decode_s)
+            if mode == "shared" and hasattr(press, "scores"):
+                passes[cfg[0]] = (press.scores, cache)  # the loop left the cache holding the context alone
         set_masks(model, None)
     for kind in ("sdpa", "eager"):
         group = [c for c in shared if (c[0] in EAGER) == (kind == "eager")]

@@ -55,7 +55,7 @@ from pathlib import Path
 import kvpress
 import torch
 from kv_tools import kv_stats, score, set_masks, shared_prefill, standard_prefill
-from press_registry import DEFAULT_PRESSES, EAGER, OWN_PASS, PRESSES
+from press_registry import DEFAULT_PRESSES, EAGER, OWN_PASS, PRESSES, kvzip_masks
 from questions import run_questions
 from transformers import AutoModelForCausalLM
 
@@ -134,11 +134,20 @@ def run_sample(models: dict, rec: dict, todo: list, mode: str, eos: set[int], ag
         }
 
     standard = todo if mode == "standard" else [c for c in todo if c[0] in OWN_PASS]  # KVzip: passes of its own
+    passes = {}  # mode shared: KVzip's pass over this prompt by press (scores, first logits, cache), for other ratios
     for cfg in standard:
         name, ratio = cfg
         model = models["eager" if name in EAGER else "sdpa"]
         t0 = time.perf_counter()
-        logits, cache, masks = standard_prefill(model, ids, None if name == "full" else PRESSES[name](ratio))
+        if name in passes:  # the same pass masked at this ratio (press_registry.kvzip_masks), the answer cut off
+            scores, logits, cache = passes[name]
+            cache.crop(n)
+            masks = kvzip_masks(model, scores, ratio)
+        else:
+            press = None if name == "full" else PRESSES[name](ratio)
+            logits, cache, masks = standard_prefill(model, ids, press)
+            if mode == "shared" and hasattr(press, "scores"):
+                passes[name] = (press.scores, logits, cache)
         finish(cfg, model, logits, cache, masks, time.perf_counter() - t0)
     for kind in ("sdpa", "eager"):
         group = [c for c in todo if c not in standard and (c[0] in EAGER) == (kind == "eager")]
@@ -186,7 +195,7 @@ def main() -> None:
     )
     p.add_argument("--mode", choices=("shared", "standard"), default="shared",
                    help="shared: one prefill for every press; standard: each press its own (several questions: "
-                   "kvpress's pipeline per press); KVzip always runs its own")  # fmt: skip
+                   "kvpress's pipeline per press); KVzip: its pass once, each ratio masked")  # fmt: skip
     p.add_argument("--setting", choices=("query-aware", "query-agnostic"), default="query-aware",
                    help="query-agnostic: compress the context alone, then the question (RULER's 13); a sample "
                    "exported with several questions (export_samples.py --questions 4) is compressed once and each "

@@ -10,7 +10,8 @@ Reads h2o-kv's `h2o-kv eval` results (the retrieval rows of one prefill setting,
 agnostic for the compress-once study; score and KV bytes kept after the prompt, per policy and budget) and
 run_kvpress.py's per-sample cache (score and the bytes of its cache's key and value tensors after the prefill). For
 each cell it names h2o-kv's best policy, kvpress's best press at or below that policy's KV bytes, and checks issue
-40's bars: h2o-kv's best >= 90 % of Full's score, and >= the best such press.
+40's bars: h2o-kv's best >= 90 % of Full's score, and >= the best such press. First the same at the level of the
+mean over the tasks per kept fraction (the leaderboard's view, issues 50 and 52), and with `--plot` its picture.
 """
 
 from __future__ import annotations
@@ -87,6 +88,75 @@ def table(task: str, context: int, fraction: float, ours: dict, theirs: dict, fu
     return lines + ["", summary, ""]
 
 
+def averages(ours: dict, theirs: dict) -> tuple[list[str], dict]:
+    """The leaderboard's view: per kept fraction, each method's mean score over the tasks every shown method ran
+    (and its mean KV bytes), Full's mean over the same tasks, and the bars at that level (h2o-kv's best policy >= 90 %
+    of Full's mean; >= kvpress's best press at or below its bytes). Returns the lines and {method: {fraction: mean}}
+    for the plot."""
+    lines = ["## Mean over the tasks, per kept fraction", ""]
+    curves: dict[str, dict[float, float]] = {}
+    for fraction in sorted({k[2] for k in ours if k[2] < 1.0}, reverse=True):
+        keys = [k for k in ours if k[2] == fraction]
+        methods = {("h2o-kv", p): [ours[k].get(p) for k in keys] for k in keys for p in ours[k] if p != "full"}
+        methods |= {("kvpress", p): [theirs.get(k, {}).get(p) for k in keys] for k in keys for p in theirs.get(k, {})}
+        methods = {m: v for m, v in methods.items() if all(x is not None for x in v)}  # every task ran
+        fulls = [ours.get((t, c, 1.0), {}).get("full") for t, c, _ in keys]
+        if not methods or any(f is None for f in fulls):
+            continue
+        full = sum(f[0] for f in fulls) / len(fulls)
+        rows = {m: (sum(x[0] for x in v) / len(v), _mean_bytes(v), min(x[2] for x in v)) for m, v in methods.items()}
+        lines += [f"### {fraction:.1%} of the prompt kept, {len(keys)} task(s); Full {full:.3f}", "",
+                  "| method | mean score | of Full | KV MiB | samples per task (fewest) |",
+                  "| --- | --- | --- | --- | --- |"]  # fmt: skip
+        for (side, name), (score, kv_bytes, n) in sorted(rows.items(), key=lambda item: -item[1][0]):
+            lines.append(f"| {side} {name} | {score:.3f} | {score / full:.0%} | {_mib(kv_bytes)} | {n} |")
+            curves.setdefault(f"{side} {name}", {})[fraction] = score
+        mine = {m: v for m, v in rows.items() if m[0] == "h2o-kv"}
+        if mine:
+            (_, best), (score, kv_bytes, _) = max(mine.items(), key=lambda item: (item[1][0], -(item[1][1] or 0)))
+            fits = {m: v for m, v in rows.items() if m[0] == "kvpress" and kv_bytes and v[1] <= kv_bytes * 1.001}
+            verdict = f"h2o-kv's best: **{best} {score:.3f}**, {score / full:.0%} of Full's mean"
+            verdict += " (meets 90 %)" if score >= 0.9 * full else " (misses 90 %)"
+            if fits:
+                (_, press), (press_score, _, _) = max(fits.items(), key=lambda item: item[1][0])
+                verdict += f"; {'at or above' if score >= press_score else 'below'} kvpress's best press at or below "
+                verdict += f"its bytes ({press} {press_score:.3f})"
+            lines += ["", verdict]
+        lines.append("")
+        curves.setdefault("full", {})[1.0] = full
+    return lines, curves
+
+
+def _mean_bytes(cells: list[tuple]) -> float | None:
+    known = [x[1] for x in cells if x[1] is not None]
+    return sum(known) / len(known) if len(known) == len(cells) else None
+
+
+def plot(curves: dict[str, dict[float, float]], path: str, title: str) -> None:
+    """Mean score against the fraction kept, one line per method (h2o-kv solid, kvpress dashed), Full as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, points in sorted(curves.items()):
+        if name == "full":
+            ax.axhline(points[1.0], color="black", linewidth=1, label="Full")
+            continue
+        xs = sorted(points)
+        ax.plot(xs, [points[x] for x in xs], marker="o", linestyle="--" if name.startswith("kvpress") else "-",
+                label=name)  # fmt: skip
+    ax.set_xlabel("fraction of the prompt kept")
+    ax.set_ylabel("mean score over the tasks")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -100,6 +170,7 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="the markdown file to write")
     parser.add_argument("--prefill", default="oneshot", choices=("oneshot", "agnostic"),
                         help="h2o-kv's setting: the question in the prompt, or after it (compress-once)")  # fmt: skip
+    parser.add_argument("--plot", help="a PNG of each method's mean score against the fraction kept")
     args = parser.parse_args()
     models = {path: model_of(path) for path in [*args.h2o, *args.kvpress]}
     if len(set(models.values()) - {None}) > 1:  # a table across models would compare nothing
@@ -115,6 +186,10 @@ def main() -> None:
              f"Model: `{model}`. Sources: {sources}. Score: RULER string match, mean over samples. KV MiB: "
              "bytes kept after the prompt, per sample (h2o-kv: `KVCache.kept_nbytes()`, keys and values plus "
              "12 bytes of bookkeeping per slot; kvpress: its cache's key and value tensors).", ""]  # fmt: skip
+    board, curves = averages(ours, theirs)
+    lines += board
+    if args.plot:
+        plot(curves, args.plot, f"{model}, {args.prefill}: mean over the tasks")
     for task, context, fraction in sorted(k for k in ours if k[2] < 1.0):
         full = ours.get((task, context, 1.0), {}).get("full", (None,))[0]
         press = {k: v for k, v in theirs.get((task, context, fraction), {}).items()}

@@ -125,3 +125,40 @@ def test_per_sample_pairs_samples_by_seed_and_names_those_that_differ(tmp_path):
          "budget": 0.1}, [{"answer": "y", "score": 1.0, "kv_bytes": 1}])  # fmt: skip
     run = per_sample()
     assert run.returncode == 2 and "differ in code: the folder holds more than one run" in run.stderr, run.stderr
+
+
+def test_side_by_side_averages_each_method_over_the_tasks_every_method_ran(tmp_path):
+    """The leaderboard's view: per kept fraction, a method's mean over the tasks (only methods that ran every task),
+    its share of Full's mean, and the bars at that level; `--plot` writes the picture."""
+    cells = {  # (task, fraction, policy): score; bytes: 100 at 25 %, 40 at 10 %, Full 400
+        ("qa_1", 1.0, "full"): 1.0, ("qa_2", 1.0, "full"): 0.5,
+        ("qa_1", 0.25, "kvzipwindow"): 0.9, ("qa_2", 0.25, "kvzipwindow"): 0.5,
+        ("qa_1", 0.25, "tova"): 1.0, ("qa_2", 0.25, "tova"): 0.0,
+        ("qa_1", 0.1, "kvzipwindow"): 0.5, ("qa_2", 0.1, "kvzipwindow"): 0.1,
+        ("qa_1", 0.1, "h2o"): 1.0,  # one task only: left out of the means
+    }  # fmt: skip
+    nbytes = {1.0: 400.0, 0.25: 100.0, 0.1: 40.0}
+    rows = [{"task": "retrieval", "prefill": "agnostic", "subtask": t, "length": 4096, "budget_frac": f, "policy": p,
+             "metric": m, "value": v, "n": 5}
+            for (t, f, p), score in cells.items() for m, v in (("score", score), ("kv_bytes", nbytes[f]))]  # fmt: skip
+    (tmp_path / "h.json").write_text(json.dumps({"rows": rows}))
+    press = {  # kvzip masks (Full's bytes: never at or below h2o-kv's); keydiff drops
+        f"{i}": {"press": p, "ratio": r, "task": t, "context": 4096,
+                 "samples": {"s": {"score": v, "kv_bytes": 400.0 if p == "kvzip" else nbytes[round(1 - r, 6)]}}}
+        for i, (p, r, t, v) in enumerate([("kvzip", 0.75, "qa_1", 1.0), ("kvzip", 0.75, "qa_2", 0.5),
+                                          ("keydiff", 0.75, "qa_1", 0.5), ("keydiff", 0.75, "qa_2", 0.5),
+                                          ("keydiff", 0.9, "qa_1", 0.0), ("keydiff", 0.9, "qa_2", 0.5)])
+    }  # fmt: skip
+    (tmp_path / "k.json").write_text(json.dumps({"cells": press}))
+    args = ["--h2o", tmp_path / "h.json", "--kvpress", tmp_path / "k.json", "--out", tmp_path / "s.md"]
+    subprocess.run([sys.executable, COMPARE / "side_by_side.py", *map(str, args), "--prefill", "agnostic", "--plot",
+                    tmp_path / "p.png"], check=True)  # fmt: skip
+    text = (tmp_path / "s.md").read_text()
+    assert "### 25.0% of the prompt kept, 2 task(s); Full 0.750" in text
+    assert "| h2o-kv kvzipwindow | 0.700 | 93% | 0.0 | 5 |" in text and "| h2o-kv tova | 0.500 | 67% |" in text
+    assert "| kvpress kvzip | 0.750 | 100% |" in text and "| kvpress keydiff | 0.500 | 67% |" in text
+    assert ("h2o-kv's best: **kvzipwindow 0.700**, 93% of Full's mean (meets 90 %); at or above kvpress's best "
+            "press at or below its bytes (keydiff 0.500)") in text  # fmt: skip
+    assert "### 10.0% of the prompt kept, 2 task(s)" in text and "h2o-kv h2o |" not in text.split("### qa_1")[0]
+    assert "**kvzipwindow 0.300**, 40% of Full's mean (misses 90 %); at or above" in text
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"

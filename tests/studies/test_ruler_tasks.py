@@ -227,3 +227,17 @@ def test_bad_ruler_flags_are_one_line_before_loading(argv, message, monkeypatch,
     code = cli.main(["eval", "--tasks", "retrieval", "--size", "ruler4k", *argv])
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and message in lines[0], lines
+
+
+def test_samples_run_round_by_round_over_the_tasks():
+    """`by_rounds`: each (task, context)'s first sample, then each one's second, so a run stopped partway holds every
+    task's first samples; a task with fewer samples drops out of the later rounds, each task's own order kept."""
+    from types import SimpleNamespace
+
+    from h2o_kv.studies.eval.retrieval import by_rounds
+
+    samples = [SimpleNamespace(task=t, context_tokens=c, i=i)
+               for t, c, n in (("qa_1", 4096, 3), ("qa_2", 4096, 1), ("qa_1", 2048, 2)) for i in range(n)]  # fmt: skip
+    order = [(s.task, s.context_tokens, s.i) for s in by_rounds(samples)]
+    assert order == [("qa_1", 4096, 0), ("qa_2", 4096, 0), ("qa_1", 2048, 0), ("qa_1", 4096, 1), ("qa_1", 2048, 1),
+                     ("qa_1", 4096, 2)]  # fmt: skip

@@ -14,6 +14,7 @@ read each question with the context as its own prompt. Rows average over every q
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -123,6 +124,15 @@ def run_retrieval(
     return rows
 
 
+def by_rounds(samples: Sequence[Sample]) -> list[Sample]:
+    """Each (task, context)'s first sample, then each one's second, and so on: a run stopped partway (the long ones
+    resume across sessions) has every task's first samples, not all of the first tasks'."""
+    groups: dict[tuple[str, int], list[Sample]] = {}
+    for sample in samples:
+        groups.setdefault((sample.task, sample.context_tokens), []).append(sample)
+    return [s for row in itertools.zip_longest(*groups.values()) for s in row if s is not None]
+
+
 def run_shared(
     model: Any,
     tokenizer: Any,
@@ -144,12 +154,13 @@ def run_shared(
     Each (sample, policy, budget) is a cell of its own, named by the sample's seed, depth and task rather than
     by the study's sizes, so a rerun with more samples, tasks or policies reuses every answer it already has; a
     sample with several questions names their count (and, query-aware, the question), so one-question cells stay valid.
-    An answer stops once it holds every gold answer (its score can only stay), at EOS or at the cap.
+    An answer stops once it holds every gold answer (its score can only stay), at EOS or at the cap. Samples go
+    round by round over the tasks (`by_rounds`).
     """
     eos = eos_ids(model, tokenizer)
     context = max(s.context_tokens for s in samples)
     found: dict[tuple[str, Budget], list[tuple[str, list[float], int]]] = {run: [] for run in configs}
-    for sample in samples:
+    for sample in by_rounds(samples):
         context_ids, question_ids = split_ids(tokenizer, sample)
         if agnostic and not question_ids:
             raise ValueError(f"task {sample.task!r} has no question part: query-agnostic runs RULER's thirteen tasks "

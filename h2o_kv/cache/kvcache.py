@@ -292,6 +292,15 @@ class KVCache(Cache):
         sized = [layer.capacity for layer in self.layers if layer.is_initialized and layer.capacity is not None]
         return all(torch.equal(size.view(-1), sized[0].view(-1)) for size in sized[1:])
 
+    def joined_nbytes(self, other: KVCache, rows: int, *, in_place: bool) -> int:
+        """Bytes this cache allocates once `other`'s one sequence has joined it (`write_rows`, `into=` a free row when
+        `in_place`) and decodes, holding `rows` rows: each layer as wide as `Rows.joined_width` says."""
+        total = 0
+        for mine, theirs in zip(self.layers, other.layers, strict=True):
+            per_slot = mine.nbytes() // (mine.pos.shape[0] * mine.pos.shape[2])  # one row's slot, every field
+            total += rows * mine.joined_width(theirs, in_place=in_place) * per_slot
+        return total
+
     def nbytes(self) -> int:
         """Bytes the cache has allocated now (keys, values and the per-slot bookkeeping), the slots its storage
         reserved ahead included: the memory it takes."""

@@ -130,9 +130,7 @@ class Rows:
         if other.pos.shape[0] != 1:
             raise ValueError(f"a free row takes one sequence, got {other.pos.shape[0]}")
         width = other.keys.shape[2]
-        needed = max(width, other.kept_bound + other.spare, (other.max_capacity or 0) + other.spare)
-        if needed > self.keys.shape[2]:
-            self._reserve(-(-needed // ROW_BLOCK) * ROW_BLOCK)
+        self._reserve(self.joined_width(other, in_place=True))
         for name in SLOT_FIELDS:
             mine = getattr(self, name)
             if mine is not None:
@@ -146,6 +144,16 @@ class Rows:
         self._storage_changed()  # the next step finds its slots again: the new row's first empty one
         self._refresh_memo()
         self._refresh_bounds()
+
+    def joined_width(self, other: Rows, *, in_place: bool) -> int:
+        """The slots per row this layer's storage has once `other`'s one sequence has joined and decodes: at least
+        what that row can fill (its slots, or its capacity and spare); in place (`write_row`) grown only when too
+        narrow, rounded up to a multiple of `ROW_BLOCK`, else (`append_rows`) the wider of the two."""
+        needed = max(other.keys.shape[2], other.kept_bound + other.spare, (other.max_capacity or 0) + other.spare)
+        have = self.keys.shape[2]
+        if not in_place or needed <= have:
+            return max(have, needed)
+        return -(-needed // ROW_BLOCK) * ROW_BLOCK
 
     def clear_rows(self, rows: list[int]) -> None:
         """Free these rows in place (their sequences left): no slot holds a token, and a free row's budget (the

@@ -56,6 +56,9 @@ class Batch:
         self.rows.append(row)
         self.tokens[row], self.positions[row] = token, position
 
+    def has_free_row(self) -> bool:
+        return len(self.rows) < self.cache.batch_size
+
     def _free_row(self) -> int:
         """The first free row of the cache, after growing it to the next bucket when none is free."""
         taken = set(self.rows)

@@ -48,7 +48,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()  # submitted, not admitted
         self.prefill: deque[tuple[Request, KVCache]] = deque()  # admitted, prompt going in
         self.passes: dict[Request, Reconstructing] = {}  # those of `prefill` that prefill in a reconstruction pass
-        self.batches: dict[Hashable, Batch] = {}  # decoding, by policy (`batch_key`)
+        self.batches: dict[Hashable, Batch] = {}  # decoding, by policy (or (policy, request id): `join`)
 
     @property
     def busy(self) -> bool:
@@ -190,8 +190,13 @@ class Scheduler:
         return gone
 
     def join(self, request: Request, cache: KVCache, device) -> None:
-        """A request whose prompt is through (first token sampled) joins its policy's batch."""
-        key = batch_key(request, cache)
+        """A request whose prompt is through (first token sampled) joins its policy's batch. One whose layers its pass
+        sized apart (a policy ranking the whole cache: KVzip's own allocation) joins it where the batch, each layer as
+        wide as its widest row's, still fits `kv_memory` beside everyone else (`projected`); else it decodes in a
+        batch of its own, its layers the sizes its pass gave them, which is what admission counted."""
+        key = request.policy
+        if ranks_whole_cache(request.policy) and not cache.layers_alike() and not self._fits_joined(request, cache):
+            key = (request.policy, request.id)
         batch = self.batches.get(key)
         if batch is None:
             rows = self.max_batch if self.count.in_place else None
@@ -200,7 +205,7 @@ class Scheduler:
             batch.join(request, cache)
 
     def leave(self, key: Hashable, rows: list[int]) -> None:
-        """Rows of a batch (`batch_key`) are done: free them, and the batch once empty."""
+        """Rows of a batch (its key in `batches`) are done: free them, and the batch once empty."""
         batch = self.batches[key]
         if len(rows) == len(batch):
             del self.batches[key]
@@ -221,39 +226,54 @@ class Scheduler:
         caches = [batch.cache for batch in self.batches.values()] + [cache for _, cache in self.prefill]
         return sum(cache.nbytes() for cache in caches)
 
-    def projected(self, extra: Request | None = None) -> int:
+    def projected(self, extra: Request | None = None, joining: tuple[Request, int] | None = None) -> int:
         """KV bytes if `extra` were admitted (None: of those running): every batch at its widest row (prompts still
         going in counted in their batch), plus the two largest prompts in flight (a step feeds at most two:
         `prefill_turn`). A batch in place counts what it allocates: its bucket of rows (free rows too), each as wide
-        as its widest."""
+        as its widest. A policy's batches count no less than they hold (whole-cache rows: each layer as wide as its
+        widest row's). `joining`: a request whose prompt is through and the bytes its policy's batch would hold with
+        it (`join`)."""
         groups: dict[Policy, list[int]] = {}
         prefill = [0, 0]
-        for request in [*self.all_running(), *([extra] if extra is not None else [])]:
+        running = [*self.all_running(), *([extra] if extra is not None else [])]
+        for request in [*running, *([joining[0]] if joining is not None else [])]:
             decode, prompt = self.count.slots(request.policy, request.prompt_tokens, request.max_tokens)
             groups.setdefault(request.policy, []).append(decode)
             if request is extra or any(request is r for r, _ in self.prefill):
                 prefill = sorted([*prefill, prompt])[1:]
         total = sum(prefill) * self.count.layout
         for policy, widths in groups.items():
+            held = self._held(policy, joining)
             if not self.count.in_place or not self.count.bounded(policy):
-                total += len(widths) * max(widths) * self.count.layout
+                total += max(len(widths) * max(widths) * self.count.layout, held)
                 continue
             rows, row_bytes = bucket(len(widths), self.max_batch), max(widths) * self.count.layout
             batch = self.batches.get(policy)
             if batch is not None:  # its rows as wide as the widest that joined, and no fewer than it holds now
-                held = batch.cache.batch_size
-                rows, row_bytes = max(rows, held), max(row_bytes, batch.cache.nbytes() // held)
-            total += rows * row_bytes
+                size = batch.cache.batch_size
+                rows, row_bytes = max(rows, size), max(row_bytes, batch.cache.nbytes() // size)
+            total += max(rows * row_bytes, held)
         return total
 
+    def _held(self, policy: Policy, joining: tuple[Request, int] | None) -> int:
+        """Bytes the batches of `policy` hold (its own batch as `joining` says it would, with that request)."""
+        mine = [key for key in self.batches if key == policy or (isinstance(key, tuple) and key[0] == policy)]
+        held = sum(self.batches[key].cache.nbytes() for key in mine)
+        if joining is not None and joining[0].policy == policy:
+            batch = self.batches.get(policy)
+            held += joining[1] - (0 if batch is None else batch.cache.nbytes())
+        return held
 
-def batch_key(request: Request, cache: KVCache) -> Hashable:
-    """The decoding batch a request joins, its prompt through `cache`: its policy's, except that a policy ranking the
-    whole cache (KVzip's own allocation, `kvzipwhole`) sizes each layer by what the request's own pass kept, so such a
-    request whose layers came apart decodes in a batch of its own: its layers stay the sizes its ranking gave, and
-    admission's count (every layer at the budget, the same total) is what it holds; in one batch each layer would be
-    as wide as its widest row's. One whose pass evicted nothing (a prompt within the budget) has every layer at the
-    budget, as admitted, and joins its policy's batch."""
-    if ranks_whole_cache(request.policy) and not cache.layers_alike():
-        return (request.policy, request.id)
-    return request.policy
+    def _fits_joined(self, request: Request, cache: KVCache) -> bool:
+        """Whether `request` (its prompt through `cache`) can join its policy's batch within `kv_memory`."""
+        batch = self.batches.get(request.policy)
+        if batch is None:
+            return True  # it starts the batch: it holds what its pass left it, as admitted
+        if self.kv_memory is None:
+            return True
+        in_place = batch.in_place
+        rows = batch.cache.batch_size + (0 if in_place and batch.has_free_row() else 1)
+        if in_place and rows > batch.cache.batch_size:
+            rows = bucket(len(batch) + 1, batch.max_rows)
+        after = batch.cache.joined_nbytes(cache, rows, in_place=in_place)
+        return self.projected(joining=(request, after)) <= self.kv_memory

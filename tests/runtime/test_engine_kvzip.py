@@ -140,10 +140,13 @@ def test_a_prompt_whose_reconstruction_calls_pass_the_context_is_refused():
 
 
 @pytest.mark.parametrize("name", ["kvzipwhole", "kvzipwindow"])  # the window's queries span the held chunks
-def test_a_whole_cache_ranking_is_served_each_request_in_a_batch_of_its_own(name):
+@pytest.mark.parametrize("in_place", [False, True], ids=["packed", "in-place"])
+def test_whole_cache_rankings_share_a_batch_where_it_fits_kv_memory(name, in_place):
     """KVzip's own allocation (`kvzipwhole`): each request's pass ranks every head of every layer at once and sizes
-    its layers; the engine decodes each such request in a batch of its own, so its layers keep those sizes and what
-    it holds stays within kv_memory. Each answer equals the library's compress run, concurrent ones their solo runs."""
+    its layers apart. Such requests join one batch (each layer as wide as its widest row's) where that fits
+    kv_memory beside everyone else, else each decodes alone: with room they share it, with just the room admission
+    counted some go apart; what is held never passes kv_memory, and every answer equals its solo run, the first the
+    library's compress run."""
     policy, LONG = h2o_kv.policies.build(name, 0.5), 24
     prompts = [ids(n, seed=n) for n in (40, 31, 47)]
     solo_run = engine()
@@ -153,24 +156,75 @@ def test_a_whole_cache_ranking_is_served_each_request_in_a_batch_of_its_own(name
     assert len({int(n) for n in library.kept_per_head().sum(-1)}) > 1  # the ranking sized the layers unevenly
     alone = [solo_run._count.slots(policy, len(p), LONG) for p in prompts]
     kv_memory = 3 * max(sum(s) for s in alone) * solo_run._count.layout
-    run = engine(kv_memory=kv_memory)
+    run = engine(kv_memory=kv_memory, rows_in_place=in_place)
     requests = [run.submit(p, max_tokens=LONG, ignore_eos=True, policy=policy) for p in prompts]
-    decoding = 0
+    widest = 0
     while run.step():
-        assert run.kv_bytes_in_use() <= kv_memory
-        assert all(len(batch) == 1 for batch in run._runs.batches.values())
-        assert all(b.cache.nbytes() <= b.requests[0].kv_bytes for b in run._runs.batches.values())  # as admitted
-        decoding = max(decoding, len(run._runs.batches))
-    assert [r.token_ids for r in requests] == solo and decoding == len(prompts)  # all decoding at once, apart
-    assert ask(engine(rows_in_place=True), prompts[2], policy=policy, max_tokens=LONG).token_ids == solo[2]
+        assert run.kv_bytes_in_use() <= kv_memory and run._runs.projected() <= kv_memory
+        widest = max([widest, *(len(b) for b in run._runs.batches.values())])
+    assert [r.token_ids for r in requests] == solo and widest == 3  # one batch of the three, their layers apart
     by_name = Engine(make_model("llama"), make_tokenizer(), policy=name, budget=0.5)  # serve --policy
     assert by_name.generate(prompts[1], max_tokens=LONG, ignore_eos=True).token_ids == solo[1]
 
 
+def test_a_whole_cache_row_decodes_apart_where_the_joined_batch_would_pass_kv_memory(monkeypatch):
+    """The join's rule at its boundary: with exactly the bytes the joined batch would make the engine hold
+    (`projected`), a whole-cache row joins; with one byte less it decodes in a batch of its own, and answers as
+    its solo run."""
+    from h2o_kv.runtime.scheduler import Scheduler
+
+    policy, LONG = h2o_kv.policies.build("kvzipwhole", 0.5), 12
+    prompts = [ids(n, seed=n) for n in (40, 47)]
+    solo = [ask(engine(), p, policy=policy, max_tokens=LONG).token_ids for p in prompts]
+    run = engine()
+    first, second = [run.submit(p, max_tokens=LONG, ignore_eos=True, policy=policy) for p in prompts]
+    held, join = [], Scheduler.join
+
+    def hold_second(self, request, cache, device):  # the second's join is decided below, by hand
+        if request is second:
+            held.append(cache)
+        else:
+            join(self, request, cache, device)
+
+    monkeypatch.setattr(Scheduler, "join", hold_second)
+    while not held:
+        assert run.step()
+    runs, cache = run._runs, held[0]
+    assert policy in runs.batches and not cache.layers_alike()
+    after = runs.batches[policy].cache.joined_nbytes(cache, 2, in_place=False)
+    runs.kv_memory = runs.projected(joining=(second, after))
+    assert runs._fits_joined(second, cache)
+    runs.kv_memory -= 1
+    assert not runs._fits_joined(second, cache)
+    join(runs, second, cache, run.model.device)
+    assert (policy, second.id) in runs.batches and len(runs.batches[policy]) == 1
+    monkeypatch.undo()
+    run.run()
+    assert [first.token_ids, second.token_ids] == solo
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["packed", "in-place"])
+def test_a_joined_batch_holds_the_bytes_its_join_was_counted_at(in_place):
+    """`KVCache.joined_nbytes`, which decides whether a whole-cache row may join: after the join and a decode step
+    the batch holds exactly the bytes it predicted (each layer as wide as `Rows.joined_width`)."""
+    policy = h2o_kv.policies.build("kvzipwhole", 0.5)
+    run = engine(rows_in_place=in_place)
+    caches = [one_cache(run, ids(n, seed=n), policy, n=1)[1] for n in (40, 47)]
+    batch, joining = caches
+    rows = 2
+    if in_place:
+        batch.reserve_rows(rows)
+    predicted = batch.joined_nbytes(joining, rows, in_place=in_place)
+    batch.write_rows(joining, into=1 if in_place else None)
+    with torch.no_grad():
+        decode_step(run.model, batch, torch.tensor([5, 6]), torch.tensor([40, 47]))
+    assert batch.nbytes() == predicted
+
+
 def test_whole_cache_requests_whose_pass_evicted_nothing_decode_together():
     """`kvzipwhole` requests whose prompts fit the budget lose nothing in their pass, so every layer stays at the
-    budget (as admitted): they decode together in their policy's batch, one whose pass evicted decodes alone beside
-    them, and every answer equals its solo run."""
+    budget (as admitted): they decode together in their policy's batch, which one whose pass evicted joins too (no
+    kv_memory here: the joined batch fits), and every answer equals its solo run."""
     policy, LONG = h2o_kv.policies.build("kvzipwhole", 32), 12
     prompts = [ids(n, seed=n) for n in (10, 14, 20, 45)]  # the last is over the budget: its pass ranks
     solo_run = engine()
@@ -181,7 +235,7 @@ def test_whole_cache_requests_whose_pass_evicted_nothing_decode_together():
     while run.step():
         batches = run._runs.batches
         together = max(together, len(batches.get(policy, ())))
-        assert all(batch.requests == [requests[3]] for key, batch in batches.items() if key != policy)
+        assert set(batches) <= {policy}  # never a batch of its own
         assert run.kv_bytes_in_use() <= run._runs.projected()  # what admission counted: each batch at its widest
     assert [r.token_ids for r in requests] == solo and together == 3
 

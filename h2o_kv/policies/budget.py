@@ -31,8 +31,9 @@ NAMES = (
 DEFAULT = "globalkv"  # generate's, demo's and the engine's default: docs/accuracy.md's best for a prompt read whole
 #: `serve`'s default: it reads a prompt in chunks, and a KVzip pass holds them all before it ranks, so the question at
 #: the prompt's end is read before anything goes (GlobalKV evicts between chunks, before it: results/defaults); the
-#: window keeps what that question asks about, and each layer at heads x budget lets served requests batch together
-SERVE_DEFAULT = "kvziplayerwindow"
+#: window keeps what that question asks about, and the whole-cache ranking keeps what a later question (a next turn
+#: from --session-memory) needs (docs/accuracy.md, compress once); its requests batch where their layers fit kv_memory
+SERVE_DEFAULT = "kvzipwindow"
 
 Budget = float | int | None  # None: the Full cache
 

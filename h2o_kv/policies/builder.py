@@ -30,11 +30,12 @@ def build(name: str, budget: Budget = None, *, sinks: int = 4) -> Policy:
     "keydiff" and "kvzip" are query-agnostic (a context compressed before its question): KeyDiff ranks by keys,
     KVzip by a reconstruction pass that `h2o_kv.compress` runs (a plain prompt call refuses it); "kvzipwhole" ranks
     the whole cache at once when its pass ends (KVzip's own allocation: AdaKV's pooled rows, layers of their own size;
-    the engine decodes such a request in a batch of its own once its pass has evicted); "kvziplayer" ranks each
+    the engine batches such requests where their layers, each as wide as its widest row's, fit its KV memory, else
+    each decodes alone); "kvziplayer" ranks each
     layer's heads together (AdaKV's pooled rows, every layer at heads x budget, so its requests batch together);
     "kvzipwindow" is "kvzipwhole" whose context's last 32 queries also pick 30 % of each row first (a question inside
-    the prompt kept as well as one that comes later; KVzip's `window`); "kvziplayerwindow" is "kvziplayer" with the
-    window picking 60 % (its requests batch together in the engine: `serve`'s default).
+    the prompt kept as well as one that comes later; KVzip's `window`: `serve`'s default); "kvziplayerwindow" is
+    "kvziplayer" with the window picking 60 % (every layer at heads x budget).
     """
     key = policy_key(name)
     if key == "full":

@@ -68,7 +68,7 @@ def test_the_start_up_line_names_model_policy_budget_and_kv_memory(monkeypatch):
         "(float32 keys and values), up to 4 sequences at once"
     ]
     assert cli.main(["serve", "--port", "0", "--budget", "20%", "--kv-dtype", "int8", "--served-model-name", "m"]) == 0
-    assert seen[1].startswith("model m on cpu, policy kvziplayerwindow, budget 20% of each prompt per KV head, KV "
+    assert seen[1].startswith("model m on cpu, policy kvzipwindow, budget 20% of each prompt per KV head, KV "
                               "memory 1 GiB (int8 keys and values)")  # fmt: skip
 
 

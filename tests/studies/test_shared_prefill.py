@@ -11,6 +11,7 @@ from h2o_kv.runtime.generation import forward, greedy_continue, greedy_ids
 from h2o_kv.studies.eval.decoding import new_cache
 from h2o_kv.studies.eval.shared import (
     SharedAttention,
+    held_call,
     record_pass,
     record_prefill,
     replay,
@@ -134,6 +135,28 @@ def test_kvzip_query_aware_answers_as_its_own_pass(llama) -> None:
         alone, logits = compress_with_logits(llama, torch.tensor([prompt]), cache=makers[policy](), tokenizer=tokenizer)
         assert shared[policy][0] == greedy_continue(llama, alone, logits, 41, 8), policy
         assert shared[policy][0][0] == full["full"][0][0]  # the held call's next token is the full prompt's
+
+
+def test_the_pass_held_call_is_the_prompts_own_and_spares_a_prefill(llama, monkeypatch) -> None:
+    """`held_call`: KVzip's recorded pass begins with the prompt's own call, equal call for call to `record_prefill`'s
+    (keys, values, queries, mask, options) and with its logits, so a sample with KVzip caches records no prefill of
+    its own: every other cache replays the held call, and answers as it does from `record_prefill`."""
+    from h2o_kv.studies.eval import shared as shared_module
+
+    tokenizer = make_tokenizer()
+    prompt = random_ids(1, 41, seed=7)[0].tolist()
+    logits, calls = record_prefill(llama, prompt)
+    held_logits, held = held_call(record_pass(llama, prompt, tokenizer, chunk=16))
+    assert torch.equal(logits, held_logits) and len(held) == len(calls)
+    for (a,), (b,) in zip(calls, held, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a[:4], b[:4], strict=True)) and a[4] == b[4]
+    makers = {
+        p: (lambda p=p: new_cache(p, None if p == "full" else 10, 41)) for p in ("full", "h2o", "snapkv", "kvzipwhole")
+    }
+    alone = {p: shared_greedy(llama, prompt, {p: makers[p]}, max_new_tokens=6, tokenizer=tokenizer)[p] for p in makers}
+    monkeypatch.setattr(shared_module, "record_prefill", lambda *a, **k: pytest.fail("a second prefill"))
+    together = shared_greedy(llama, prompt, makers, max_new_tokens=6, tokenizer=tokenizer)
+    assert together == alone
 
 
 def test_int8_storage_is_refused(llama) -> None:

@@ -104,6 +104,14 @@ def record_pass(
     return logits, recording.calls
 
 
+def held_call(passed: tuple[torch.Tensor, list[list]]) -> tuple[torch.Tensor, list[list]]:
+    """`record_prefill`'s recording from `record_pass`'s: the pass's held call is the prompt in one call, every token
+    kept and nothing scored, the model's own call on the prompt (tested equal, call for call), so its logits and
+    each layer's first call serve the caches that replay a prefill."""
+    logits, calls = passed
+    return logits, [layer_calls[:1] for layer_calls in calls]
+
+
 def replay_pass(cache: KVCache, calls: list[list], peaks: PassPeaks | None = None) -> KVCache:
     """KVzip's pass in `cache` (an empty cache of a policy that `reconstructs`) from `record_pass`'s calls: the held
     call, then each reconstruction call as a scoring call; leaving the pass ranks, then the prompt ends, as
@@ -228,10 +236,15 @@ def shared_answers(
         raise ValueError(f"done: one stopping test per question ({len(questions)}), got {len(stops)}")
     rows, kv_bytes = [], {}  # one row per (cache, question): its cache, its next-token logits, its next position
     answers: dict[Any, tuple[list[list[int]], int]] = {}
-    for key, make in caches.items():
+    pending = {key: make() for key, make in caches.items()}  # empty until their calls: each let go after its rows
+    if any(cache.settings.kv_dtype is None and _reconstructs(cache) for cache in pending.values()):
+        kvzip = next(cache for cache in pending.values() if _reconstructs(cache))
+        passed = record_pass(model, prompt_ids, _tokenizer_for(kvzip, tokenizer), peaks=peaks)
+        recorded = held_call(passed)  # the prompt's own call: no second prefill for the other caches
+    for key in caches:
         if rows and len(rows) + len(questions) > max_rows:
             _decode_rows(model, rows, max_new_tokens, eos, kv_bytes, answers)
-        cache = make()
+        cache = pending.pop(key)
         with torch.no_grad():
             if cache.settings.kv_dtype is None and not _reconstructs(cache):
                 recorded = recorded or record_prefill(model, prompt_ids)

@@ -206,8 +206,8 @@ def add_parser(sub) -> None:
         "--policy",
         default=policies.SERVE_DEFAULT,
         choices=policies.NAMES,
-        help=f"default KV policy ({policies.SERVE_DEFAULT}: KVzip's pass over the whole prompt ranking the whole cache, "
-        "the question at its end kept; docs/serving.md)",
+        help=f"default KV policy ({policies.SERVE_DEFAULT}: KVzip's pass over the whole prompt ranking the whole "
+        "cache, the question at its end kept; docs/serving.md)",
     )
     serve.add_argument(
         "--budget",

@@ -22,7 +22,7 @@ from transformers.cache_utils import CacheLayerMixin
 from h2o_kv.cache.attend import compute_dtype
 from h2o_kv.cache.quant import dequantize, quantize
 from h2o_kv.cache.routes import Call, Slots, attend, uses_native, widens
-from h2o_kv.cache.rows import GROWTH, Rows
+from h2o_kv.cache.rows import GROWTH, ROW_BLOCK, Rows
 from h2o_kv.cache.settings import Mode, PaddingMemo, Settings
 from h2o_kv.cache.steady import Steady
 from h2o_kv.policies import SlotState, short_fraction
@@ -268,7 +268,12 @@ class KVLayer(Rows, Steady, CacheLayerMixin):
         slots, self.vacant = self.vacant, None
         if slots is not None:
             return slots
-        self._reserve(self.kept_bound + self.spare)
+        needed = self.kept_bound + self.spare
+        if needed > self.keys.shape[2] and self.max_capacity is not None:  # a bounded row growing toward its capacity
+            # (headroom joined it after the prompt): by a block at a time up to the widest it reaches, not a copy of
+            # the storage for every token
+            needed = max(needed, min(self.keys.shape[2] + ROW_BLOCK, self.max_capacity + self.spare))
+        self._reserve(needed)
         return self._first_empty()
 
     def _first_empty(self) -> torch.Tensor:

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The long CPU study runs of issues 50 and 52, each resumable from its committed cells: start one in the background
+# (one torch thread, its log and PID in $RUNS, default /tmp/runs), see how far each is, stop them. Two cores take two
+# runs; a third slows all three. An h2o-kv run goes on at the commit it started from (a git worktree of it beside
+# this checkout: a cell's key holds the source digest, so a run at another commit would start again), writing its
+# cells into this checkout's results/ (commit them often: they are what `--resume` reads after a fresh clone).
+#
+#   compare/study_runs.sh start h2o-0.5b       # h2o-kv compress-once, Qwen2.5-Coder-0.5B, every policy of the size
+#   compare/study_runs.sh start h2o-1.5b       # h2o-kv compress-once, 1.5B (`make qwen-1.5b`): the query-agnostic ones
+#   compare/study_runs.sh start kvpress-1.5b   # kvpress compress-once, 1.5B, KVzip (its best press on the 0.5B)
+#   compare/study_runs.sh status               # running or not, and each h2o-kv run's answers so far
+#   compare/study_runs.sh stop                 # every run this script started
+set -euo pipefail
+ROOT=$(git rev-parse --show-toplevel)
+RUNS=${RUNS:-/tmp/runs}
+mkdir -p "$RUNS"
+H2O_KV="import sys; from h2o_kv.cli import main; sys.argv = ['h2o-kv'] + sys.argv[1:]; sys.exit(main())"
+
+at_commit() {  # NAME COMMIT ARGS...: `h2o-kv ARGS` from a worktree of COMMIT, this checkout's venv
+  local name=$1 commit=$2 tree="$ROOT/../runs/run-$2"
+  shift 2
+  [ -d "$tree" ] || git -C "$ROOT" worktree add -q "$tree" "$commit"
+  (cd "$tree" && H2O_KV_MALLOC=system MALLOC_MMAP_THRESHOLD_=131072 OMP_NUM_THREADS=1 setsid nohup \
+    "$ROOT/.venv/bin/python" -c "$H2O_KV" "$@" > "$RUNS/$name.log" 2>&1 < /dev/null & echo $! > "$RUNS/$name.pid")
+}
+
+case "${1:-status}" in
+start)
+  case "${2:?start what: h2o-0.5b, h2o-1.5b or kvpress-1.5b}" in
+  h2o-0.5b)
+    at_commit h2o-0.5b 7963655 eval --model qwen2.5-coder-0.5b --size compress-once --threads 1 --resume \
+      --out "$ROOT/results/compress-once/qwen2.5-coder-0.5b" ;;
+  h2o-1.5b)
+    at_commit h2o-1.5b 5cdf252 eval --model qwen2.5-coder-1.5b --size compress-once --threads 1 --resume \
+      --policies kvzipwindow,kvzipwhole,keydiff --out "$ROOT/results/compress-once/qwen2.5-coder-1.5b" ;;
+  kvpress-1.5b)
+    (cd "$ROOT" && OMP_NUM_THREADS=1 setsid nohup nice -n 5 make -f compare/kvpress/Makefile kvpress-compress-once \
+      KVP_MODEL=qwen2.5-coder-1.5b KVP_ONCE_PRESSES=kvzip > "$RUNS/kvpress-1.5b.log" 2>&1 < /dev/null &
+      echo $! > "$RUNS/kvpress-1.5b.pid") ;;
+  *) echo "study_runs.sh: no run named $2" >&2; exit 2 ;;
+  esac ;;
+status)
+  for pid in "$RUNS"/*.pid; do
+    [ -e "$pid" ] || continue
+    name=$(basename "$pid" .pid)
+    if kill -0 "$(cat "$pid")" 2> /dev/null; then echo "$name: running"; else echo "$name: not running"; fi
+  done
+  for cells in "$ROOT"/results/compress-once/*/cells.jsonl; do
+    [ -e "$cells" ] && "$ROOT/.venv/bin/python" "$ROOT/compare/interim_counts.py" "$cells" | head -1 | sed "s|^|$cells: |"
+  done ;;
+stop)
+  for pid in "$RUNS"/*.pid; do
+    [ -e "$pid" ] || continue
+    kill -- -"$(cat "$pid")" 2> /dev/null || kill "$(cat "$pid")" 2> /dev/null || true  # its process group (setsid)
+    rm -f "$pid"
+  done ;;
+*) echo "study_runs.sh: start NAME, status or stop" >&2; exit 2 ;;
+esac

@@ -128,18 +128,24 @@ class PooledKVLayer(KVLayer):
 
     def _attend(self, query: torch.Tensor, positions: torch.Tensor, call: Call, full: bool = False):
         # `full` (every slot holds a token) changes nothing here: the row's slots are masked by head anyway
-        if call.new_from == 0:  # the row holds just this call's tokens, token-major: attend per head, in order
-            return self._attend_first(query, positions, call)
+        heads = self.kv_heads
+        in_pass = self.settings.reconstruction is not None and call.new_from is not None  # KVzip's held context
+        if call.new_from == 0 or (in_pass and call.new_from % heads == 0):
+            # the row holds this call's tokens after whole tokens before them, token-major and in order (a prompt's
+            # first call; or a held call of KVzip's pass, which evicts nothing): attend per head, in order
+            return self._attend_in_order(query, positions, replace(call, new_from=call.new_from // heads))
         # later calls: a token is `heads` slots, so the in-order causal shortcut (new_from) does not apply
         return super()._attend(query, positions, replace(call, new_from=None))
 
-    def _attend_first(self, query: torch.Tensor, positions: torch.Tensor, call: Call):
-        """A first call (a prompt) as `KVLayer` attends: [B, heads, n] views of the row, the causal
-        triangle skipped; the per-slot scores come back in the row's order."""
-        batch, heads, n = query.shape[0], self.kv_heads, query.shape[2]
+    def _attend_in_order(self, query: torch.Tensor, positions: torch.Tensor, call: Call):
+        """A call whose row holds whole tokens in order, `call.new_from` of them before its own, as `KVLayer` attends:
+        [B, heads, tokens] views of the row, the causal triangle skipped; the per-slot scores come back in the row's
+        order."""
+        batch, heads = query.shape[0], self.kv_heads
+        width = (call.new_from + query.shape[2]) * heads
 
         def by_head(t: torch.Tensor | None) -> torch.Tensor | None:  # [B, 1, n*heads, ...] -> [B, heads, n, ...]
-            return None if t is None else t[:, 0, : n * heads].unflatten(1, (n, heads)).transpose(1, 2)
+            return None if t is None else t[:, 0, :width].unflatten(1, (width // heads, heads)).transpose(1, 2)
 
         kv = Slots(by_head(self.keys), by_head(self.values), by_head(self.pos), by_head(self.key_scale),
                    by_head(self.value_scale))  # fmt: skip
@@ -149,7 +155,7 @@ class PooledKVLayer(KVLayer):
             if t is None:
                 return None
             row = torch.zeros_like(self.score)
-            row[:, 0, : n * heads] = t.transpose(1, 2).reshape(batch, n * heads)
+            row[:, 0, :width] = t.transpose(1, 2).reshape(batch, width)
             return row
 
         return out, by_row(scores), by_row(last)

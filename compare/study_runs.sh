@@ -46,7 +46,7 @@ status)
     if kill -0 "$(cat "$pid")" 2> /dev/null; then echo "$name: running"; else echo "$name: not running"; fi
   done
   for cells in "$ROOT"/results/compress-once/*/cells.jsonl; do
-    [ -e "$cells" ] && "$ROOT/.venv/bin/python" "$ROOT/compare/interim_counts.py" "$cells" | head -1 | sed "s|^|$cells: |"
+    [ -e "$cells" ] && "$ROOT/.venv/bin/python" "$ROOT/compare/interim_counts.py" "$cells" | sed -n "1s|^|$cells: |p"
   done ;;
 stop)
   for pid in "$RUNS"/*.pid; do

@@ -40,6 +40,12 @@ from h2o_kv.policies import SlotState
 POS_SPAN = 1 << 40  # a position is below this (MAX_TOKENS), so head * POS_SPAN + pos orders by (head, pos)
 
 
+def by_head(t: torch.Tensor | None, width: int, heads: int) -> torch.Tensor | None:
+    """The first `width` slots of a head-pooled row [B, 1, S, ...] that hold whole tokens token-major, each token's
+    heads side by side in order, as a row per head [B, heads, width / heads, ...] (a view)."""
+    return None if t is None else t[:, 0, :width].unflatten(1, (width // heads, heads)).transpose(1, 2)
+
+
 class PooledKVLayer(KVLayer):
     query_head: torch.Tensor | None = None  # [heads, group]: each query head's KV head, from the first query
     decode_tags: torch.Tensor | None = None  # [B, 1, heads]: a decode step's new slots' heads
@@ -143,12 +149,8 @@ class PooledKVLayer(KVLayer):
         order."""
         batch, heads = query.shape[0], self.kv_heads
         width = (call.new_from + query.shape[2]) * heads
-
-        def by_head(t: torch.Tensor | None) -> torch.Tensor | None:  # [B, 1, n*heads, ...] -> [B, heads, n, ...]
-            return None if t is None else t[:, 0, :width].unflatten(1, (width // heads, heads)).transpose(1, 2)
-
-        kv = Slots(by_head(self.keys), by_head(self.values), by_head(self.pos), by_head(self.key_scale),
-                   by_head(self.value_scale))  # fmt: skip
+        kv = Slots(*(by_head(t, width, heads) for t in (self.keys, self.values, self.pos, self.key_scale,
+                                                         self.value_scale)))  # fmt: skip
         out, scores, last = (self.settings.attention or attend)(query, kv, positions, call)
 
         def by_row(t: torch.Tensor | None) -> torch.Tensor | None:  # [B, heads, n] -> [B, 1, S] (empty slots: 0)

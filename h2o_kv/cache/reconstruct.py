@@ -43,6 +43,7 @@ from h2o_kv.cache.attend import (
     stored_as,
 )
 from h2o_kv.cache.layer import eviction_ranks
+from h2o_kv.cache.pooled import by_head
 from h2o_kv.policies.kvzip import kvzip_of, ranks_whole_cache
 
 
@@ -205,13 +206,8 @@ def _head_slots(layer) -> tuple[Slots, int]:
     heads, width = layer.kv_heads, layer.used
     if width % heads:
         raise RuntimeError(f"a pooled row in KVzip's pass holds whole tokens: {width} slots for {heads} heads")
-
-    def by_head(t: torch.Tensor | None) -> torch.Tensor | None:  # [B, 1, S, ...] -> [B, heads, width / heads, ...]
-        return None if t is None else t[:, 0, :width].unflatten(1, (width // heads, heads)).transpose(1, 2).contiguous()
-
-    kv = Slots(by_head(layer.keys), by_head(layer.values), by_head(layer.pos), by_head(layer.key_scale),
-               by_head(layer.value_scale))  # fmt: skip
-    return kv, width // heads
+    fields = (layer.keys, layer.values, layer.pos, layer.key_scale, layer.value_scale)
+    return Slots(*(None if t is None else by_head(t, width, heads).contiguous() for t in fields)), width // heads
 
 
 def _row_order(layer, peak: torch.Tensor) -> torch.Tensor:

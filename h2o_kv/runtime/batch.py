@@ -56,8 +56,14 @@ class Batch:
         self.rows.append(row)
         self.tokens[row], self.positions[row] = token, position
 
-    def has_free_row(self) -> bool:
-        return len(self.rows) < self.cache.batch_size
+    def rows_after_join(self) -> int:
+        """The cache rows this batch holds once one more request has joined: one more (rows packed), the same where a
+        row is free, else the next bucket."""
+        if not self.in_place:
+            return self.cache.batch_size + 1
+        if len(self.rows) < self.cache.batch_size:
+            return self.cache.batch_size
+        return bucket(len(self.rows) + 1, self.max_rows)
 
     def _free_row(self) -> int:
         """The first free row of the cache, after growing it to the next bucket when none is free."""
@@ -65,7 +71,7 @@ class Batch:
         free = [row for row in range(self.cache.batch_size) if row not in taken]
         if free:
             return free[0]
-        self._resize(bucket(len(self.rows) + 1, self.max_rows))
+        self._resize(self.rows_after_join())
         return len(self.rows)
 
     def _resize(self, rows: int) -> None:

@@ -257,8 +257,7 @@ class Scheduler:
 
     def _held(self, policy: Policy, joining: tuple[Request, int] | None) -> int:
         """Bytes the batches of `policy` hold (its own batch as `joining` says it would, with that request)."""
-        mine = [key for key in self.batches if key == policy or (isinstance(key, tuple) and key[0] == policy)]
-        held = sum(self.batches[key].cache.nbytes() for key in mine)
+        held = sum(batch.cache.nbytes() for batch in self.batches.values() if batch.requests[0].policy == policy)
         if joining is not None and joining[0].policy == policy:
             batch = self.batches.get(policy)
             held += joining[1] - (0 if batch is None else batch.cache.nbytes())
@@ -271,9 +270,5 @@ class Scheduler:
             return True  # it starts the batch: it holds what its pass left it, as admitted
         if self.kv_memory is None:
             return True
-        in_place = batch.in_place
-        rows = batch.cache.batch_size + (0 if in_place and batch.has_free_row() else 1)
-        if in_place and rows > batch.cache.batch_size:
-            rows = bucket(len(batch) + 1, batch.max_rows)
-        after = batch.cache.joined_nbytes(cache, rows, in_place=in_place)
+        after = batch.cache.joined_nbytes(cache, batch.rows_after_join(), in_place=batch.in_place)
         return self.projected(joining=(request, after)) <= self.kv_memory

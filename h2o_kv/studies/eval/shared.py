@@ -227,7 +227,8 @@ def shared_answers(
     stopping test per question (or None). The answers are decoded together, one model call a step (`greedy_together`)
     over the (cache, question) rows of as many caches as fill `max_rows` (at least one cache), which are then let
     go: the memory held is that many caches', whatever the number of configurations. The prefill is recorded at the
-    first cache that replays it, so caches that all read the prompt themselves cost no recording."""
+    first cache that replays it (or is KVzip's pass's held call, when a KVzip cache is among them), so caches that all
+    read the prompt themselves cost no recording."""
     recorded, passed, shared, peaks = None, None, SharedAttention(), PassPeaks()
     logits_needed = not all(questions)  # query-aware: the first token from the prompt's own (held) call
     n, last = len(prompt_ids), len(questions) - 1
@@ -237,10 +238,10 @@ def shared_answers(
     rows, kv_bytes = [], {}  # one row per (cache, question): its cache, its next-token logits, its next position
     answers: dict[Any, tuple[list[list[int]], int]] = {}
     pending = {key: make() for key, make in caches.items()}  # empty until their calls: each let go after its rows
-    if any(cache.settings.kv_dtype is None and _reconstructs(cache) for cache in pending.values()):
-        kvzip = next(cache for cache in pending.values() if _reconstructs(cache))
-        passed = record_pass(model, prompt_ids, _tokenizer_for(kvzip, tokenizer), peaks=peaks)
-        recorded = held_call(passed)  # the prompt's own call: no second prefill for the other caches
+    kvzip = [cache for cache in pending.values() if cache.settings.kv_dtype is None and _reconstructs(cache)]
+    if kvzip:  # KVzip's pass recorded once; its held call is the prompt's own, which the other caches replay
+        passed = record_pass(model, prompt_ids, _tokenizer_for(kvzip[0], tokenizer), peaks=peaks)
+        recorded = held_call(passed)
     for key in caches:
         if rows and len(rows) + len(questions) > max_rows:
             _decode_rows(model, rows, max_new_tokens, eos, kv_bytes, answers)
@@ -251,8 +252,7 @@ def shared_answers(
                 first = recorded[0]
                 replay(cache, recorded[1], shared)
                 cache.end_prompt()  # the prompt is complete: a question is its next call, the headroom counts
-            elif cache.settings.kv_dtype is None:  # KVzip: its pass recorded once, the first token from its held call
-                passed = passed or record_pass(model, prompt_ids, _tokenizer_for(cache, tokenizer), peaks=peaks)
+            elif cache.settings.kv_dtype is None:  # KVzip: its recorded pass, the first token from its held call
                 replay_pass(cache, passed[1], peaks)
                 first = passed[0] if logits_needed else None
             else:

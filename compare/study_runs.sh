@@ -16,12 +16,18 @@ RUNS=${RUNS:-/tmp/runs}
 mkdir -p "$RUNS"
 H2O_KV="import sys; from h2o_kv.cli import main; sys.argv = ['h2o-kv'] + sys.argv[1:]; sys.exit(main())"
 
+detached() {  # NAME COMMAND...: COMMAND in the background as its own session, log and PID (= its group) in $RUNS
+  local name=$1
+  shift
+  setsid bash -c 'echo $$ > "$0"; exec "$@"' "$RUNS/$name.pid" "$@" > "$RUNS/$name.log" 2>&1 < /dev/null &
+}
+
 at_commit() {  # NAME COMMIT ARGS...: `h2o-kv ARGS` from a worktree of COMMIT, this checkout's venv
   local name=$1 commit=$2 tree="$ROOT/../runs/run-$2"
   shift 2
   [ -d "$tree" ] || git -C "$ROOT" worktree add -q "$tree" "$commit"
-  (cd "$tree" && H2O_KV_MALLOC=system MALLOC_MMAP_THRESHOLD_=131072 OMP_NUM_THREADS=1 setsid nohup \
-    "$ROOT/.venv/bin/python" -c "$H2O_KV" "$@" > "$RUNS/$name.log" 2>&1 < /dev/null & echo $! > "$RUNS/$name.pid")
+  (cd "$tree" && H2O_KV_MALLOC=system MALLOC_MMAP_THRESHOLD_=131072 OMP_NUM_THREADS=1 detached "$name" \
+    "$ROOT/.venv/bin/python" -c "$H2O_KV" "$@")
 }
 
 case "${1:-status}" in
@@ -31,12 +37,11 @@ start)
     at_commit h2o-0.5b 7963655 eval --model qwen2.5-coder-0.5b --size compress-once --threads 1 --resume \
       --out "$ROOT/results/compress-once/qwen2.5-coder-0.5b" ;;
   h2o-1.5b)
-    at_commit h2o-1.5b 5cdf252 eval --model qwen2.5-coder-1.5b --size compress-once --threads 1 --resume \
+    at_commit h2o-1.5b 2626967 eval --model qwen2.5-coder-1.5b --size compress-once --threads 1 --resume \
       --policies kvzipwindow,kvzipwhole,keydiff --out "$ROOT/results/compress-once/qwen2.5-coder-1.5b" ;;
   kvpress-1.5b)
-    (cd "$ROOT" && OMP_NUM_THREADS=1 setsid nohup nice -n 5 make -f compare/kvpress/Makefile kvpress-compress-once \
-      KVP_MODEL=qwen2.5-coder-1.5b KVP_ONCE_PRESSES=kvzip > "$RUNS/kvpress-1.5b.log" 2>&1 < /dev/null &
-      echo $! > "$RUNS/kvpress-1.5b.pid") ;;
+    (cd "$ROOT" && OMP_NUM_THREADS=1 detached kvpress-1.5b nice -n 5 make -f compare/kvpress/Makefile \
+      kvpress-compress-once KVP_MODEL=qwen2.5-coder-1.5b KVP_ONCE_PRESSES=kvzip) ;;
   *) echo "study_runs.sh: no run named $2" >&2; exit 2 ;;
   esac ;;
 status)

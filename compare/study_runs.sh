@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The long CPU study runs of issues 50 and 52, each resumable from its committed cells: start one in the background
 # (one torch thread, its log and PID in $RUNS, default /tmp/runs), see how far each is, stop them. Two cores take two
-# runs; a third slows all three. An h2o-kv run goes on at the commit it started from (a git worktree of it beside
+# runs; a third slows all three. Memory: h2o-1.5b holds about 15 GB and kvpress-1.5b up to 9 GB, so on a 24 GB
+# machine either pairs with h2o-0.5b, not with the other. An h2o-kv run goes on at the commit it started from (a git worktree of it beside
 # this checkout: a cell's key holds the source digest, so a run at another commit would start again), writing its
 # cells into this checkout's results/ (commit them often: they are what `--resume` reads after a fresh clone).
 #

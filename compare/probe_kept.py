@@ -4,10 +4,13 @@ The compress-once study (`h2o-kv eval --size compress-once`) compresses a RULER 
 questions from forks of that cache. This script takes the study's first sample of a task (the same seed and ids),
 compresses its context once per policy as the study does (a prompt call; KVzip through `h2o_kv.compress`), and
 counts, per needle, the share of the needle sentence's tokens ("One of the special magic numbers for KEY is:
-VALUE.") and of its value's tokens each (layer, KV head) still holds; then answers each question from a fork.
+VALUE.") and of its value's tokens each (layer, KV head) still holds, and how many tokens each row holds beside the
+context's needles (how many, how long); then answers each question from a fork.
 
     OMP_NUM_THREADS=1 .venv/bin/python compare/probe_kept.py --task niah_multikey_1 --kept 0.25 \
         --policies full,snapkv,keydiff,kvzip --out results/compress-once/probe-kept.json
+    OMP_NUM_THREADS=1 .venv/bin/python compare/probe_kept.py --task niah_multikey_3 --kept 0.25,0.1 \
+        --policies kvzipwindow --out results/compress-once/probe-kept-multikey3.json
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen2.5-coder-0.5b")
     parser.add_argument("--task", default="niah_multikey_1")
-    parser.add_argument("--kept", type=float, default=0.25, help="the fraction of the context kept")
+    parser.add_argument("--kept", default="0.25", help="the fractions of the context kept, comma-separated")
     parser.add_argument("--policies", default="full,snapkv,keydiff,kvzip")
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--out", type=Path, required=True)
@@ -82,10 +85,15 @@ def main() -> None:
     golds = [gold for one in asks for gold in one.answers]
     spans = needle_tokens(tokenizer, sample.context, ids, golds)
     n = len(ids)
-    report = {"model": args.model, "task": args.task, "kept": args.kept, "context_tokens": n, "commit": commit(),
-              "threads": torch.get_num_threads(), "policies": {}}  # fmt: skip
-    for name in args.policies.split(","):
-        cache = new_cache(name, None if name == "full" else args.kept, n)  # as the study: a token budget
+    kept = [float(k) for k in args.kept.split(",")]
+    sizes = [len(parts["needle"]) for parts in spans.values()]
+    report = {"model": args.model, "task": args.task, "kept": kept, "context_tokens": n, "commit": commit(),
+              "threads": torch.get_num_threads(), "needles_in_context": sample.context.count(NEEDLE),
+              "needle_tokens": sizes, "policies": {}}  # fmt: skip
+    runs = [(name, None) for name in args.policies.split(",") if name == "full"]
+    runs += [(name, k) for k in kept for name in args.policies.split(",") if name != "full"]
+    for name, fraction in runs:
+        cache = new_cache(name, fraction, n)  # as the study: a token budget
         policy = cache.settings.policy
         start = time.perf_counter()
         with torch.no_grad():
@@ -112,7 +120,10 @@ def main() -> None:
                 out = greedy_continue(model, mine, logits, n + len(question), 12, set(), None)
             text = tokenizer.decode(out, skip_special_tokens=True)
             answers.append({"gold": one.answers, "answer": text.strip(), "score": score(one, text)})
-        report["policies"][policy.describe()] = {"seconds": round(seconds, 1), "needles": needles, "answers": answers}
+        held = [len(row) for row in rows]
+        report["policies"][policy.describe()] = {"seconds": round(seconds, 1), "held_per_row": {
+            "mean": round(sum(held) / len(held), 1), "min": min(held), "max": max(held)},
+            "needles": needles, "answers": answers}  # fmt: skip
         print(name, json.dumps(report["policies"][policy.describe()]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")

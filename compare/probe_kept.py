@@ -5,7 +5,8 @@ questions from forks of that cache. This script takes the study's first sample o
 compresses its context once per policy as the study does (a prompt call; KVzip through `h2o_kv.compress`), and
 counts, per needle, the share of the needle sentence's tokens ("One of the special magic numbers for KEY is:
 VALUE.") and of its value's tokens each (layer, KV head) still holds, and how many tokens each row holds beside the
-context's needles (how many, how long); then answers each question from a fork.
+context's needles (how many, how long); then answers each question from a fork as the study does (RULER's answer
+length, stopped once the answer holds its gold).
 
     OMP_NUM_THREADS=1 .venv/bin/python compare/probe_kept.py --task niah_multikey_1 --kept 0.25 \
         --policies full,snapkv,keydiff,kvzip --out results/compress-once/probe-kept.json
@@ -23,11 +24,11 @@ from pathlib import Path
 import torch
 
 from h2o_kv.runtime.compress import compress
-from h2o_kv.runtime.generation import forward, greedy_continue
+from h2o_kv.runtime.generation import eos_ids, forward, greedy_continue
 from h2o_kv.runtime.models import load_model
 from h2o_kv.studies.data import load_corpus
 from h2o_kv.studies.eval.decoding import new_cache
-from h2o_kv.studies.eval.retrieval import asked, make_samples
+from h2o_kv.studies.eval.retrieval import answer_tokens, asked, make_samples
 from h2o_kv.studies.eval.ruler import score
 from h2o_kv.studies.eval.ruler_fit import split_ids
 from h2o_kv.studies.report import commit
@@ -85,6 +86,7 @@ def main() -> None:
     golds = [gold for one in asks for gold in one.answers]
     spans = needle_tokens(tokenizer, sample.context, ids, golds)
     n = len(ids)
+    eos = eos_ids(model, tokenizer)
     kept = [float(k) for k in args.kept.split(",")]
     sizes = [len(parts["needle"]) for parts in spans.values()]
     report = {"model": args.model, "task": args.task, "kept": kept, "context_tokens": n, "commit": commit(),
@@ -117,7 +119,15 @@ def main() -> None:
             positions = torch.arange(n, n + len(question)).unsqueeze(0)
             with torch.no_grad():
                 logits = forward(model, mine, torch.tensor([question]), positions=positions)
-                out = greedy_continue(model, mine, logits, n + len(question), 12, set(), None)
+                out = greedy_continue(
+                    model,
+                    mine,
+                    logits,
+                    n + len(question),
+                    answer_tokens(args.task, None),
+                    eos,
+                    lambda tokens, one=one: score(one, tokenizer.decode(tokens, skip_special_tokens=True)) == 1.0,
+                )
             text = tokenizer.decode(out, skip_special_tokens=True)
             answers.append({"gold": one.answers, "answer": text.strip(), "score": score(one, text)})
         held = [len(row) for row in rows]

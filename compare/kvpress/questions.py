@@ -10,7 +10,10 @@ way); ``--mode shared`` compresses once for every press (`kv_tools.shared_prefil
 question loop on each press's cache; a press with passes of its own (KVzip) runs `_forward` at its first ratio, and
 its other ratios mask the same cache from that pass's scores (`press_registry.kvzip_masks`: the pass does not
 depend on the ratio). Each answer is
-scored by its own question's golds; the KV bytes are those of the compressed context.
+scored by its own question's golds; the KV bytes are those of the compressed context. In mode shared an answer stops
+as soon as it holds every gold (`answer`: the pipeline's greedy loop, step for step, with that test), as h2o-kv's
+answers and run_kvpress.py's one-question ones do: RULER's string match only grows with the text, so the score is
+the pipeline's and the prediction its start (`--validate` checks both against mode standard, the pipeline's own).
 """
 
 from __future__ import annotations
@@ -30,27 +33,72 @@ def pipelines(models: dict) -> dict:
             for kind in ("sdpa", "eager") if kind in models}  # fmt: skip
 
 
+def stops_for(models: dict, rec: dict) -> list:
+    """One stopping test per question of `rec`: its answer holds every gold, so RULER's string match is 1 and more
+    text cannot lower it (the h2o-kv study's answers stop so too)."""
+    decode = models["tokenizer_decode"]
+    return [lambda tokens, golds=q["answers"]: score(decode(tokens), golds, rec["metric"]) == 1.0
+            for q in rec["questions"]]  # fmt: skip
+
+
 @torch.no_grad()
-def ask(pipe, cache: DynamicCache, context_length: int, questions: list[torch.Tensor], max_new: int) -> list[str]:
-    """The pipeline's question loop over a compressed cache, as its `_forward` runs it after the prefill."""
+def answer(pipe, question_ids: torch.Tensor, cache: DynamicCache, context_length: int, max_new_tokens: int,
+           done) -> str:  # fmt: skip
+    """The pipeline's `generate_answer`, step for step (the question at the positions after the whole context, its
+    first token whatever it is, then greedy tokens until one is EOS or `max_new_tokens` are out), stopping sooner once
+    `done(tokens)`: the prediction is then the start of the pipeline's, and its score the same."""
+    model, device = pipe.model, pipe.model.device
+    start = context_length + question_ids.shape[1]
+    positions = torch.arange(context_length, start, device=device).unsqueeze(0)
+    logits = model(input_ids=question_ids.to(device), past_key_values=cache, position_ids=positions,
+                   logits_to_keep=1).logits  # fmt: skip
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    tokens = [int(logits[0, -1].argmax())]
+    for i in range(max_new_tokens - 1):
+        if done(tokens):
+            break
+        step = torch.tensor([[tokens[-1]]], device=device)
+        logits = model(input_ids=step, past_key_values=cache, position_ids=torch.tensor([[start + i]], device=device))
+        tokens.append(int(logits.logits[0, -1].argmax()))
+        if tokens[-1] in eos:
+            break
+    return str(pipe.tokenizer.decode(tokens, skip_special_tokens=True))
+
+
+@torch.no_grad()
+def ask(pipe, cache: DynamicCache, context_length: int, questions: list[torch.Tensor], max_new: int,
+        stops: list | None = None) -> list[str]:  # fmt: skip
+    """The pipeline's question loop over a compressed cache, as its `_forward` runs it after the prefill (with
+    `stops`, each answer by `answer`, which stops once its score is final)."""
     answers = []
-    for question in questions:
-        lengths = [cache.get_seq_length(i) for i in range(len(cache))]
-        answers.append(pipe.generate_answer(question_ids=question, cache=cache, context_length=context_length,
-                                            max_new_tokens=max_new))  # fmt: skip
+    for i, question in enumerate(questions):
+        lengths = [cache.get_seq_length(j) for j in range(len(cache))]
+        if stops is None:
+            answers.append(pipe.generate_answer(question_ids=question, cache=cache, context_length=context_length,
+                                                max_new_tokens=max_new))  # fmt: skip
+        else:
+            answers.append(answer(pipe, question, cache, context_length, max_new, stops[i]))
         pipe._remove_answer_from_cache(cache, lengths)
     return answers
 
 
 @torch.no_grad()
-def native(pipe, press, context: torch.Tensor, questions: list[torch.Tensor], max_new: int) -> tuple:
-    """kvpress's pipeline on one context and its questions: (answers, the compressed cache, prefill s, answers s)."""
-    cache, spent, answer = DynamicCache(), [0.0], pipe.generate_answer
+def native(pipe, press, context: torch.Tensor, questions: list[torch.Tensor], max_new: int,
+           stops: list | None = None) -> tuple:  # fmt: skip
+    """kvpress's pipeline on one context and its questions: (answers, the compressed cache, prefill s, answers s).
+    With `stops`, its question loop answers by `answer` (the i-th call answers the i-th question)."""
+    cache, spent, asked = DynamicCache(), [0.0], []
+    own = pipe.generate_answer
 
-    def timed(*args, **kwargs):
+    def timed(**kwargs):
         begin = time.perf_counter()
         try:
-            return answer(*args, **kwargs)
+            if stops is None:
+                return own(**kwargs)
+            asked.append(None)
+            return answer(pipe, kwargs["question_ids"], kwargs["cache"], kwargs["context_length"],
+                          kwargs["max_new_tokens"], stops[len(asked) - 1])  # fmt: skip
         finally:
             spent[0] += time.perf_counter() - begin
 
@@ -77,6 +125,7 @@ def run_questions(models: dict, rec: dict, todo: list, mode: str) -> dict:
     asks = rec["questions"]
     questions = [torch.tensor([q["question_ids"]]) for q in asks]
     n, new = context.shape[1], rec["max_new_tokens"]
+    stops = stops_for(models, rec) if mode == "shared" else None  # the documented way: the pipeline's own answers
     results = {}
 
     def finish(cfg, answers, stats, prefill_s, decode_s):
@@ -96,11 +145,11 @@ def run_questions(models: dict, rec: dict, todo: list, mode: str) -> dict:
             begin = time.perf_counter()
             masks = kvzip_masks(model, scores, cfg[1])
             prefill_s, begin = time.perf_counter() - begin, time.perf_counter()
-            answers = ask(pipes[kind], cache, n, questions, new)
+            answers = ask(pipes[kind], cache, n, questions, new, stops)
             finish(cfg, answers, kv_stats(cache, masks), prefill_s, time.perf_counter() - begin)
         else:
             press = None if cfg[0] == "full" else PRESSES[cfg[0]](cfg[1])
-            answers, cache, prefill_s, decode_s = native(pipes[kind], press, context, questions, new)
+            answers, cache, prefill_s, decode_s = native(pipes[kind], press, context, questions, new, stops)
             finish(cfg, answers, kv_stats(cache, masks_of(model)), prefill_s, decode_s)
             if mode == "shared" and hasattr(press, "scores"):
                 passes[cfg[0]] = (press.scores, cache)  # the loop left the cache holding the context alone
@@ -117,7 +166,7 @@ def run_questions(models: dict, rec: dict, todo: list, mode: str) -> dict:
             stats = kv_stats(cache, masks)
             set_masks(models[kind], masks)
             begin = time.perf_counter()
-            answers = ask(pipes[kind], cache, n, questions, new)
+            answers = ask(pipes[kind], cache, n, questions, new, stops)
             set_masks(models[kind], None)
             finish(cfg, answers, stats, prefill_s, time.perf_counter() - begin)
     return results

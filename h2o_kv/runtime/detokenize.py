@@ -7,11 +7,32 @@ again (a token's text can depend on the one before it: SentencePiece's leading s
 over two byte tokens) and the anchor's part of that cut off. Every `EVERY` tokens the anchor moves forward, and the
 move is checked against a whole decode: a tokenizer whose text is not local there is decoded whole from then on.
 So the text is `decode(ids)` wherever it was checked, and the caller decodes the last one whole anyway.
+`decoder` gives the engine its `decode`: the Rust tokenizer's own where that is what transformers' `decode` runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+
+
+def decoder(tokenizer) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=True)` for a list of token ids. For a fast tokenizer whose `_decode`
+    is transformers' own and cleans up no spaces, that is its Rust tokenizer's `decode` of the list, called here
+    directly: the same text without transformers' check of every id first (`to_py_obj`, a Python loop over the
+    list, several times the Rust decode's cost, and most of the engine's host work per generated token)."""
+    from transformers import PreTrainedTokenizerFast
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    plain = (
+        isinstance(tokenizer, PreTrainedTokenizerFast)
+        and type(tokenizer)._decode is PreTrainedTokenizerFast._decode
+        and not tokenizer.clean_up_tokenization_spaces
+        and backend is not None
+    )
+    if plain:
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
 
 OVERLAP = 6  # tokens before the anchor decoded again with the new ones
 EVERY = 32  # new tokens between two moves of the anchor (each move decodes the whole text once, to check it)

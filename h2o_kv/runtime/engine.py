@@ -33,6 +33,7 @@ from h2o_kv.policies import Policy
 from h2o_kv.runtime.admission import SlotCount, admission_bytes
 from h2o_kv.runtime.captured import CapturedSteps
 from h2o_kv.runtime.compress import piece_overhead
+from h2o_kv.runtime.detokenize import decoder
 from h2o_kv.runtime.generation import Sampling, eos_ids
 from h2o_kv.runtime.prefixes import PrefixStore
 from h2o_kv.runtime.reconstructing import Reconstructing
@@ -82,6 +83,7 @@ class Engine:
                                            or session_memory < 0):  # fmt: skip
             raise ValueError(f"session_memory must be a number of bytes (0: off), got {session_memory!r}")
         self.model, self.tokenizer = enable(model), tokenizer
+        self._decode = decoder(tokenizer)  # tokenizer.decode(ids, skip_special_tokens=True), by the shortest route
         check_kv_dtype(kv_dtype)
         backends.prepare(model.device)  # the C++ kernels built (once per machine) before the first request's step
         self.policy, self.budget, self.sinks, self.mode, self.kv_dtype = policy, budget, sinks, mode, kv_dtype
@@ -283,4 +285,4 @@ class Engine:
         return Reconstructing(cache, request.prompt_ids, self.tokenizer, self.prefill_chunk, self.model.device)
 
     def _detokenize(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self._decode(ids)

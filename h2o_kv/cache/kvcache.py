@@ -94,6 +94,7 @@ class KVCache(Cache):
         return layer(self.settings, len(self.layers))
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        self.settings.version += 1  # an eager call: what a layer holds on the host may change (`version`)
         previous = hand_off(None, key_states)
         stale = previous is not None and previous[0] in self.layers and previous[0].pending is not None
         if stale:
@@ -220,6 +221,7 @@ class KVCache(Cache):
         """The prompt is complete: a fraction budget keeps what it gave, a later multi-token call (a question after a
         compressed context) continues the sequence instead of being refused as the prompt's second part, and the
         `headroom` joins each row's capacity now (so rows joining a batch bring their own)."""
+        self.settings.version += 1
         for layer in self.layers:
             if layer.is_initialized and layer.prompt_len is not None:
                 layer.decoded = True
@@ -230,6 +232,7 @@ class KVCache(Cache):
         """KVzip's context-reconstruction pass over this empty cache, a context manager (cache/reconstruct.py;
         `h2o_kv.compress` drives it): calls inside hold the context whole, calls inside its `scoring()` score it and
         are dropped, and leaving it keeps each (sequence, KV head)'s capacity of best-scored tokens."""
+        self.settings.version += 1
         return Reconstruction(self.settings, self.layers)
 
     # -- the steady decode step (runtime/graphs.py) ------------------------------------------------------
@@ -244,6 +247,14 @@ class KVCache(Cache):
         addresses it reads and writes): while it stays equal, a step captured with it may be replayed. Rows joined
         into free rows or freed in place (`write_rows(into=)`, `release_rows`) keep it."""
         return tuple(layer.steady_key() for layer in self.layers) if self.steady else None
+
+    @property
+    def version(self) -> int:
+        """A count that moves whenever the layers' Python-side state may have changed: each eager call (`update`),
+        each row written, freed or moved, storage grown or compacted, the prompt ended. A replayed captured step runs
+        no Python and leaves it (`note_replayed_step` advances only the columns seen), so while it stays the same the
+        cache's `steady_key` is what it was: the engine's captured steps skip recomputing it (captured.py)."""
+        return self.settings.version
 
     def note_replayed_step(self) -> None:
         """A captured decode step was replayed: the tensors advanced on the device, and the Python-side count of

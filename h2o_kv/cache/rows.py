@@ -66,6 +66,7 @@ class Rows:
         """The slot tensors were replaced (rows, growth, compaction): the slots the last decode step left
         (`vacant`) and the packed state describe the old storage, and the next step finds its slots again."""
         self.vacant, self.vacant_buffered, self.packed = None, False, False
+        self.settings.version += 1
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep these sequences only; storage shrinks to the most tokens a kept row holds (+1 in drop mode)."""
@@ -176,6 +177,7 @@ class Rows:
     def _refresh_memo(self) -> None:
         """The per-prompt values of the new prompt lengths, in the tensors that held the old ones where they can
         (`PromptMemo.refresh`): a captured decode step reads them there."""
+        self.settings.version += 1
         if isinstance(self.memo, PromptMemo):
             self.memo.refresh(self.prompt_len)
         else:
@@ -197,6 +199,7 @@ class Rows:
 
     def _refresh_bounds(self) -> None:
         """Python-side bounds from the per-row tensors (after rows came or went)."""
+        self.settings.version += 1
         empty = self.pos.shape[0] == 0
         if self.capacity is not None and not empty:
             self.max_capacity, self.min_capacity = int(self.capacity.max()), int(self.capacity.min())

@@ -60,6 +60,9 @@ class Settings:
         # while set, the peaks of a recorded KVzip pass (`reconstruct.PassPeaks`): each scoring call's peak attention
         # computed once, by the recording's run or the first replay, for every cache the pass is replayed into
         self.peaks = None
+        # moves with every change of the layers' Python-side state: each eager call, each row written, freed or moved,
+        # storage grown or compacted (`KVCache.version`); a replayed captured step runs no Python and leaves it
+        self.version = 0
 
     def check_context(self, seen: int, next_pos: torch.Tensor, config) -> None:
         """Warn, once per cache, when a sequence's positions go past the model's context (`max_position_embeddings`

@@ -5,9 +5,11 @@ step has the bucket's shapes and, once every layer is full (`KVCache.steady`), r
 every step: a request joins by writing a free row and leaves by freeing its row, and neither moves the storage.
 `CapturedSteps` records that step once as a CUDA graph (`CudaGraphs`) and replays it while the cache's
 `steady_key` (the step's route and the addresses it touches) is the one it was recorded with, so the host's
-thousands of kernel launches per step become one. When the key changes (the bucket grew or shrank, a layer's
-storage grew) it records again, after `warmup` eager steady steps (they compile the Triton kernels for the new
-shapes); a step that is not steady (the one after a join) runs eagerly, as everywhere on a CPU.
+thousands of kernel launches per step become one; the key is computed again only after something changed the cache
+on the host (its `version`: an eager call, a row written or freed), not before every replay. When the key changes
+(the bucket grew or shrank, a layer's storage grew) it records again, after `warmup` eager steady steps (they
+compile the Triton kernels for the new shapes); a step that is not steady (the one after a join) runs eagerly, as
+everywhere on a CPU.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class Recorded:
 
     key: tuple
     eager: int = 0  # eager steady steps run with this key (the warm-up)
+    version: int = -1  # the cache's `version` when the key was last found equal (-1: not yet)
     replay: Callable[[], None] | None = None
     tokens: torch.Tensor | None = None
     positions: torch.Tensor | None = None
@@ -69,19 +72,20 @@ class CapturedSteps(EagerSteps):
     def _decode_call(self, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One token per row (tokens, positions [B]): the next logits [B, V], from the batch's recording when its
         cache is steady with the key it was recorded with (the logits then live in the recording's output buffer,
-        overwritten by its next replay)."""
+        overwritten by its next replay). Nothing changed the cache since its key was last found equal (its `version`
+        is the same: no eager call, no row written or freed): replayed without recomputing the key, a few
+        microseconds a layer of host work the GPU would wait for."""
+        held = self.recorded.get(cache)
+        if held is not None and held.replay is not None and held.version == cache.version:
+            return self._replay(held, tokens, positions)
         key = cache.steady_key()
         if key is None:
             return super()._decode_call(cache, tokens, positions)
-        held = self.recorded.get(cache)
         if held is None or held.key != key:  # a new bucket or storage: the old recording (and its memory) goes
             held = self.recorded[cache] = Recorded(key)
         if held.replay is not None:
-            held.tokens.copy_(tokens.view(-1, 1))
-            held.positions.copy_(positions.view(-1, 1))
-            held.replay()
-            self.replayed += 1
-            return held.logits
+            held.version = cache.version
+            return self._replay(held, tokens, positions)
         if held.eager < self.warmup:
             held.eager += 1
             return super()._decode_call(cache, tokens, positions)
@@ -90,5 +94,13 @@ class CapturedSteps(EagerSteps):
             lambda: forward(self.model, cache, held.tokens, positions=held.positions), cache
         )
         held.key = cache.steady_key()  # what the recorded step left (the same, unless it allocated inside)
+        held.version = cache.version
         self.captured += 1
+        return held.logits
+
+    def _replay(self, held: Recorded, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        held.tokens.copy_(tokens.view(-1, 1))
+        held.positions.copy_(positions.view(-1, 1))
+        held.replay()
+        self.replayed += 1
         return held.logits

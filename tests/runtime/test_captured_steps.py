@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from h2o_kv.backends import native
+from h2o_kv.cache.kvcache import KVCache
 from h2o_kv.runtime.captured import CapturedSteps
 from h2o_kv.runtime.engine import Engine
 
@@ -58,6 +59,57 @@ def test_a_batch_is_recorded_once_per_bucket_and_replayed_across_joins_and_leave
         return
     assert len(set(graphs.records)) == len(graphs.records)  # never twice for one batch and bucket
     assert steps.replayed >= 5 * steps.captured
+
+
+class GraphLike(Rerun):
+    """As a CUDA graph's replay, which runs no Python: the step runs again into the output, and the cache's host-side
+    `version` is left where it was."""
+
+    def record(self, step, cache):
+        replay, out = super().record(step, cache)
+
+        def silent():
+            version = cache.settings.version
+            replay()
+            cache.settings.version = version
+
+        return silent, out
+
+
+@pytest.mark.filterwarnings("ignore:.* too few for coherent text")
+@pytest.mark.parametrize("policy", ["h2o", "adakv"])
+def test_a_replay_after_a_replay_skips_the_steady_key(monkeypatch, policy):
+    """Between two replays with no eager call and no row written or freed, the cache's `version` stays, so the engine
+    replays without recomputing `steady_key` (which would have found the recording's key each time); a join moves
+    it, so the key is checked again; and every request's tokens still equal its eager solo run's. Four requests
+    that join at once and decode 40 tokens each: after the joins, every replay but the first follows a replay."""
+    monkeypatch.setattr(native, "resolve", lambda compile_kernel: False)
+    model, tokenizer = make_model("llama"), make_tokenizer()
+    requests = [(prompt(12 + 2 * i, seed=i), 40) for i in range(4)]
+    eager = Engine(model, tokenizer, max_batch=4, prefill_chunk=16, policy=policy, budget=0.3)
+    solo = [eager.generate(ids, max_tokens=n).token_ids for ids, n in requests]
+    engine = Engine(model, tokenizer, max_batch=4, prefill_chunk=16, policy=policy, budget=0.3, rows_in_place=True)
+    engine._steps = steps = CapturedSteps(model, eos=engine.eos, prefill_chunk=16, held=engine._note_peaks,
+                                          graphs=GraphLike())  # fmt: skip
+    keys, calls = [], []  # per decode call: (replayed, its key computed)
+    steady_key, decode_call = KVCache.steady_key, CapturedSteps._decode_call
+    monkeypatch.setattr(KVCache, "steady_key", lambda self: keys.append(1) or steady_key(self))
+
+    def counted(self, cache, tokens, positions):
+        before, now = (self.replayed, len(keys)), steady_key(cache)
+        out = decode_call(self, cache, tokens, positions)
+        calls.append((self.replayed > before[0], len(keys) > before[1]))
+        if calls[-1] == (True, False):  # replayed unkeyed: the key it would have found is the recording's
+            assert now == self.recorded[cache].key
+        return out
+
+    monkeypatch.setattr(CapturedSteps, "_decode_call", counted)
+    handles = [engine.submit(ids, max_tokens=n) for ids, n in requests]
+    engine.run()
+    assert [h.result().token_ids for h in handles] == solo
+    replays = [keyed for replayed, keyed in calls if replayed]
+    assert len(replays) == steps.replayed >= 20
+    assert replays.count(False) >= len(replays) - 4  # keyed: the first replay, and one after each join at most
 
 
 def test_captured_steps_need_a_gpu():

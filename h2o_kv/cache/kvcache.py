@@ -79,6 +79,7 @@ class KVCache(Cache):
         self.settings = Settings(policy, mode, prefill_chunk, prompt_len, kv_dtype=kv_dtype, compile_kernel=kernels,
                                  headroom=headroom)  # fmt: skip
         super().__init__(layer_class_to_replicate=self._new_layer)
+        self._allocated = (-1, 0)  # `nbytes` at a `version`
 
     @property
     def is_compileable(self) -> bool:
@@ -314,8 +315,11 @@ class KVCache(Cache):
 
     def nbytes(self) -> int:
         """Bytes the cache has allocated now (keys, values and the per-slot bookkeeping), the slots its storage
-        reserved ahead included: the memory it takes."""
-        return sum(layer.nbytes() for layer in self.layers if layer.is_initialized)
+        reserved ahead included: the memory it takes. Summed again only once the cache changed (its `version`):
+        the engine reads it after every step."""
+        if self._allocated[0] != self.version:
+            self._allocated = (self.version, sum(layer.nbytes() for layer in self.layers if layer.is_initialized))
+        return self._allocated[1]
 
     def kept_nbytes(self) -> int:
         """Bytes of the slots that hold a kept token: what the kept tokens need, at most `nbytes()`. Compare caches

@@ -121,6 +121,7 @@ class KVLayer(Rows, Steady, CacheLayerMixin):
         self.keys = self.values = None
         self.pending = None
         self.seen = 0
+        self.settings.version += 1  # emptied (`KVCache.version`)
 
     # -- the work: insert, attend, evict ---------------------------------------------------------------
     def forward_attention(

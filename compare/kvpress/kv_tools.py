@@ -23,6 +23,12 @@ def score(prediction: str, answers: list[str], metric: str) -> float:
     raise ValueError(f"unknown metric {metric!r}")
 
 
+def complete(decode, golds: list[str], metric: str):
+    """A stopping test for greedy tokens: their text (`decode`) holds every gold, so RULER's string match is 1 and
+    more text cannot lower it (h2o-kv's study answers stop on the same test)."""
+    return lambda tokens: score(decode(tokens), golds, metric) == 1.0
+
+
 # ---------------------------------------------------------------------------------------- caching
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 
 import torch
-from kv_tools import attn_modules, kv_stats, score, set_masks, shared_prefill
+from kv_tools import attn_modules, complete, kv_stats, score, set_masks, shared_prefill
 from kvpress import KVPressTextGenerationPipeline
 from press_registry import EAGER, OWN_PASS, PRESSES, kvzip_masks
 from transformers import DynamicCache
@@ -34,11 +34,8 @@ def pipelines(models: dict) -> dict:
 
 
 def stops_for(models: dict, rec: dict) -> list:
-    """One stopping test per question of `rec`: its answer holds every gold, so RULER's string match is 1 and more
-    text cannot lower it (the h2o-kv study's answers stop so too)."""
-    decode = models["tokenizer_decode"]
-    return [lambda tokens, golds=q["answers"]: score(decode(tokens), golds, rec["metric"]) == 1.0
-            for q in rec["questions"]]  # fmt: skip
+    """One stopping test per question of `rec` (`kv_tools.complete`)."""
+    return [complete(models["tokenizer_decode"], q["answers"], rec["metric"]) for q in rec["questions"]]
 
 
 @torch.no_grad()
@@ -88,17 +85,16 @@ def native(pipe, press, context: torch.Tensor, questions: list[torch.Tensor], ma
            stops: list | None = None) -> tuple:  # fmt: skip
     """kvpress's pipeline on one context and its questions: (answers, the compressed cache, prefill s, answers s).
     With `stops`, its question loop answers by `answer` (the i-th call answers the i-th question)."""
-    cache, spent, asked = DynamicCache(), [0.0], []
-    own = pipe.generate_answer
+    cache, spent, own = DynamicCache(), [0.0], pipe.generate_answer
+    tests = iter(stops or ())
 
     def timed(**kwargs):
         begin = time.perf_counter()
         try:
             if stops is None:
                 return own(**kwargs)
-            asked.append(None)
             return answer(pipe, kwargs["question_ids"], kwargs["cache"], kwargs["context_length"],
-                          kwargs["max_new_tokens"], stops[len(asked) - 1])  # fmt: skip
+                          kwargs["max_new_tokens"], next(tests))  # fmt: skip
         finally:
             spent[0] += time.perf_counter() - begin
 

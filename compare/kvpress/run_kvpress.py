@@ -54,7 +54,7 @@ from pathlib import Path
 
 import kvpress
 import torch
-from kv_tools import kv_stats, score, set_masks, shared_prefill, standard_prefill
+from kv_tools import complete, kv_stats, score, set_masks, shared_prefill, standard_prefill
 from press_registry import DEFAULT_PRESSES, EAGER, OWN_PASS, PRESSES, kvzip_masks
 from questions import run_questions
 from transformers import AutoModelForCausalLM
@@ -114,7 +114,7 @@ def run_sample(models: dict, rec: dict, todo: list, mode: str, eos: set[int], ag
         stats = kv_stats(cache, masks)
         set_masks(model, masks)
         t0 = time.perf_counter()
-        answered = lambda toks: score(models["tokenizer_decode"](toks), rec["answers"], rec["metric"]) == 1.0  # noqa: E731
+        answered = complete(models["tokenizer_decode"], rec["answers"], rec["metric"])
         start = n
         if question is not None:  # positions after the context's, as kvpress's pipeline numbers the question
             start = n + question.shape[1]

@@ -83,7 +83,7 @@ class Engine:
                                            or session_memory < 0):  # fmt: skip
             raise ValueError(f"session_memory must be a number of bytes (0: off), got {session_memory!r}")
         self.model, self.tokenizer = enable(model), tokenizer
-        self._decode = decoder(tokenizer)  # tokenizer.decode(ids, skip_special_tokens=True), by the shortest route
+        self._detokenize = decoder(tokenizer)  # tokenizer.decode(ids, skip_special_tokens=True), the shortest route
         check_kv_dtype(kv_dtype)
         backends.prepare(model.device)  # the C++ kernels built (once per machine) before the first request's step
         self.policy, self.budget, self.sinks, self.mode, self.kv_dtype = policy, budget, sinks, mode, kv_dtype
@@ -283,6 +283,3 @@ class Engine:
 
     def _new_pass(self, request: Request, cache: KVCache) -> Reconstructing:
         return Reconstructing(cache, request.prompt_ids, self.tokenizer, self.prefill_chunk, self.model.device)
-
-    def _detokenize(self, ids: list[int]) -> str:
-        return self._decode(ids)

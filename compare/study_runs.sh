@@ -9,18 +9,25 @@
 #   compare/study_runs.sh start h2o-0.5b       # h2o-kv compress-once, Qwen2.5-Coder-0.5B, every policy of the size
 #   compare/study_runs.sh start h2o-1.5b       # h2o-kv compress-once, 1.5B (`make qwen-1.5b`): the query-agnostic ones
 #   compare/study_runs.sh start kvpress-1.5b   # kvpress compress-once, 1.5B, KVzip (its best press on the 0.5B)
+#   compare/study_runs.sh start ruler-0.5b-agnostic   # issue 52 step 1: RULER-4k, 0.5B, 4 fractions, 5 per task
+#   compare/study_runs.sh start ruler-0.5b-aware      # the same, the question inside the compressed prompt
+#   compare/study_runs.sh start kvpress-ruler-agnostic  # kvpress's presses on the same ids (-aware: that setting)
 #   compare/study_runs.sh status               # running or not, and each h2o-kv run's answers so far
 #   compare/study_runs.sh stop                 # every run this script started
 set -euo pipefail
 ROOT=$(git rev-parse --show-toplevel)
 RUNS=${RUNS:-/tmp/runs}
 mkdir -p "$RUNS"
+RULER_POLICIES=snapkv,adakv,pyramidkv,tova,h2o,streamingllm,keydiff,kvzipwindow  # issue 52's candidates (globalkv:
+# SnapKV's tokens on Qwen2.5, docs/accuracy.md)
 H2O_KV="import sys; from h2o_kv.cli import main; sys.argv = ['h2o-kv'] + sys.argv[1:]; sys.exit(main())"
 
-detached() {  # NAME COMMAND...: COMMAND in the background as its own session, log and PID (= its group) in $RUNS
+detached() {  # NAME COMMAND...: COMMAND in the background as its own session, log and PID (= its group) in $RUNS;
+  # the out-of-memory killer takes a study run before a shell or a test (a run resumes from its cells)
   local name=$1
   shift
-  setsid bash -c 'echo $$ > "$0"; exec "$@"' "$RUNS/$name.pid" "$@" > "$RUNS/$name.log" 2>&1 < /dev/null &
+  setsid bash -c 'echo 500 > /proc/self/oom_score_adj; echo $$ > "$0"; exec "$@"' "$RUNS/$name.pid" "$@" \
+    > "$RUNS/$name.log" 2>&1 < /dev/null &
 }
 
 at_commit() {  # NAME COMMIT ARGS...: `h2o-kv ARGS` from a worktree of COMMIT, this checkout's venv
@@ -33,7 +40,7 @@ at_commit() {  # NAME COMMIT ARGS...: `h2o-kv ARGS` from a worktree of COMMIT, t
 
 case "${1:-status}" in
 start)
-  case "${2:?start what: h2o-0.5b, h2o-1.5b or kvpress-1.5b}" in
+  case "${2:?start what: h2o-0.5b, h2o-1.5b, kvpress-1.5b, ruler-0.5b-agnostic|aware or kvpress-ruler-agnostic|aware}" in
   h2o-0.5b)
     at_commit h2o-0.5b 7963655 eval --model qwen2.5-coder-0.5b --size compress-once --threads 1 --resume \
       --out "$ROOT/results/compress-once/qwen2.5-coder-0.5b" ;;
@@ -43,6 +50,13 @@ start)
   kvpress-1.5b)
     (cd "$ROOT" && OMP_NUM_THREADS=1 detached kvpress-1.5b nice -n 5 make -f compare/kvpress/Makefile \
       kvpress-compress-once KVP_MODEL=qwen2.5-coder-1.5b KVP_ONCE_PRESSES=kvzip) ;;
+  ruler-0.5b-agnostic | ruler-0.5b-aware)  # samples round by round over the 13 tasks: a partial run is balanced
+    at_commit "$2" 31cecb5 eval --model qwen2.5-coder-0.5b --tasks retrieval --size ruler4k --threads 1 --resume \
+      --setting "query-${2#ruler-0.5b-}" --policies "$RULER_POLICIES" --budgets 0.75,0.5,0.25,0.125 --samples 5 \
+      --out "$ROOT/results/ruler/qwen2.5-coder-0.5b" ;;
+  kvpress-ruler-agnostic | kvpress-ruler-aware)
+    (cd "$ROOT" && OMP_NUM_THREADS=1 detached "$2" nice -n 5 make -f compare/kvpress/Makefile kvpress-ruler \
+      KVP_SETTING="query-${2#kvpress-ruler-}") ;;
   *) echo "study_runs.sh: no run named $2" >&2; exit 2 ;;
   esac ;;
 status)
@@ -51,7 +65,7 @@ status)
     name=$(basename "$pid" .pid)
     if kill -0 "$(cat "$pid")" 2> /dev/null; then echo "$name: running"; else echo "$name: not running"; fi
   done
-  for cells in "$ROOT"/results/compress-once/*/cells.jsonl; do
+  for cells in "$ROOT"/results/compress-once/*/cells.jsonl "$ROOT"/results/ruler/*/cells.jsonl; do
     [ -e "$cells" ] && "$ROOT/.venv/bin/python" "$ROOT/compare/interim_counts.py" "$cells" | sed -n "1s|^|$cells: |p"
   done ;;
 stop)

@@ -132,21 +132,33 @@ def _mean_bytes(cells: list[tuple]) -> float | None:
     return sum(known) / len(known) if len(known) == len(cells) else None
 
 
+SAME_METHOD = {"h2o": "observed_attention", "adakv": "adakv_snapkv"}  # h2o-kv's name: kvpress's press for it
+
+
+def _method(name: str) -> str:
+    """A curve's method, one colour for both libraries' versions of it ("h2o-kv snapkv" and "kvpress snapkv")."""
+    base = name.split(" ", 1)[-1]
+    return SAME_METHOD.get(base, base)
+
+
 def plot(curves: dict[str, dict[float, float]], path: str, title: str) -> None:
-    """Mean score against the fraction kept, one line per method (h2o-kv solid, kvpress dashed), Full as a line."""
+    """Mean score against the fraction kept, one line per method (h2o-kv solid, kvpress dashed; one colour for a
+    method both libraries have), Full as a line."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    methods = sorted({_method(name) for name in curves if name != "full"})
+    colors = {m: plt.get_cmap("tab20")(i % 20) for i, m in enumerate(methods)}
     for name, points in sorted(curves.items()):
         if name == "full":
             ax.axhline(points[1.0], color="black", linewidth=1, label="Full")
             continue
         xs = sorted(points)
         ax.plot(xs, [points[x] for x in xs], marker="o", linestyle="--" if name.startswith("kvpress") else "-",
-                label=name)  # fmt: skip
+                color=colors[_method(name)], label=name)  # fmt: skip
     ax.set_xlabel("fraction of the prompt kept")
     ax.set_ylabel("mean score over the tasks")
     ax.set_title(title, fontsize=10)

@@ -67,6 +67,11 @@ status)
   done
   for cells in "$ROOT"/results/compress-once/*/cells.jsonl "$ROOT"/results/ruler/*/cells.jsonl; do
     [ -e "$cells" ] && "$ROOT/.venv/bin/python" "$ROOT/compare/interim_counts.py" "$cells" | sed -n "1s|^|$cells: |p"
+  done
+  for done_ in "$ROOT"/results/kvpress-compress-once-*/results.json "$ROOT"/results/ruler/kvpress-*/results.json; do
+    [ -e "$done_" ] && python3 -c 'import json, sys; c = json.load(open(sys.argv[1]))["cells"]
+n = sum(len(v["samples"]) for k, v in c.items() if k.startswith("full|"))
+print("%s: %d samples of Full" % (sys.argv[1], n))' "$done_"
   done ;;
 stop)
   for pid in "$RUNS"/*.pid; do

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The long CPU study runs of issues 50 and 52, each resumable from its committed cells: start one in the background
 # (one torch thread, its log and PID in $RUNS, default /tmp/runs), see how far each is, stop them. Two cores take two
-# runs; a third slows all three. Memory: h2o-1.5b holds about 15 GB and kvpress-1.5b up to 9 GB, so on a 24 GB
-# machine either pairs with h2o-0.5b, not with the other. An h2o-kv run goes on at the commit it started from (a git worktree of it beside
+# runs; a third slows all three. Memory (RSS, the weights' pages among it): h2o-1.5b holds 12-14 GB, kvpress-1.5b
+# 7-9 GB; the two ran together on the 24 GB machine, with room for nothing more (a probe beside them was killed for
+# memory, and took one with it). An h2o-kv run goes on at the commit it started from (a git worktree of it beside
 # this checkout: a cell's key holds the source digest, so a run at another commit would start again), writing its
 # cells into this checkout's results/ (commit them often: they are what `--resume` reads after a fresh clone).
 #
 #   compare/study_runs.sh start h2o-0.5b       # h2o-kv compress-once, Qwen2.5-Coder-0.5B, every policy of the size
 #   compare/study_runs.sh start h2o-1.5b       # h2o-kv compress-once, 1.5B (`make qwen-1.5b`): the query-agnostic ones
-#   compare/study_runs.sh start kvpress-1.5b   # kvpress compress-once, 1.5B, KVzip (its best press on the 0.5B)
+#   compare/study_runs.sh start kvpress-1.5b   # kvpress compress-once, 1.5B: KVzip (its best on the 0.5B), the issue's others
 #   compare/study_runs.sh start ruler-0.5b-agnostic   # issue 52 step 1: RULER-4k, 0.5B, 4 fractions, 5 per task
 #   compare/study_runs.sh start ruler-0.5b-aware      # the same, the question inside the compressed prompt
 #   compare/study_runs.sh start kvpress-ruler-agnostic  # kvpress's presses on the same ids (-aware: that setting)
@@ -49,7 +50,8 @@ start)
       --policies kvzipwindow,kvzipwhole,keydiff --out "$ROOT/results/compress-once/qwen2.5-coder-1.5b" ;;
   kvpress-1.5b)
     (cd "$ROOT" && OMP_NUM_THREADS=1 detached kvpress-1.5b nice -n 5 make -f compare/kvpress/Makefile \
-      kvpress-compress-once KVP_MODEL=qwen2.5-coder-1.5b KVP_ONCE_PRESSES=kvzip) ;;
+      kvpress-compress-once KVP_MODEL=qwen2.5-coder-1.5b \
+      KVP_ONCE_PRESSES=kvzip,expected_attention,snapkv,tova,keydiff,streamingllm) ;;
   ruler-0.5b-agnostic | ruler-0.5b-aware)  # samples round by round over the 13 tasks: a partial run is balanced
     at_commit "$2" 31cecb5 eval --model qwen2.5-coder-0.5b --tasks retrieval --size ruler4k --threads 1 --resume \
       --setting "query-${2#ruler-0.5b-}" --policies "$RULER_POLICIES" --budgets 0.75,0.5,0.25,0.125 --samples 5 \

@@ -112,3 +112,53 @@ def standard_prefill(model, ids: torch.Tensor, press) -> tuple[torch.Tensor, Dyn
         logits = model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits[0, -1]
     masks = [getattr(m, "masked_key_indices", None) for m in attn_modules(model)]
     return logits, cache, masks if any(m is not None for m in masks) else None
+
+
+# ------------------------------------------------------------------------------------------ decoding
+
+
+def stack(caches: list[DynamicCache]) -> DynamicCache:
+    """One cache whose row r is `caches[r]`'s one sequence, copied (every layer as long in each: `together` groups
+    them so), so that one batched call steps them all."""
+    layers = zip(*([(layer.keys, layer.values) for layer in cache.layers] for cache in caches), strict=True)
+    return new_cache([(torch.cat([k for k, _ in rows]), torch.cat([v for _, v in rows])) for rows in layers])
+
+
+def together(configs: list, caches: dict) -> list[list]:
+    """`configs` in groups that decode in one batch: caches without masks (AdaKV's and KVzip's are set on the model's
+    modules, one per call) and of the same length in every layer; a masked cache is a group of its own."""
+    groups: dict = {}
+    for cfg in configs:
+        cache, masks = caches[cfg]
+        key = cfg if masks is not None else tuple(layer.keys.shape[2] for layer in cache.layers)
+        groups.setdefault(key, []).append(cfg)
+    return list(groups.values())
+
+
+@torch.no_grad()
+def greedy_together(model, cache: DynamicCache, first_logits: torch.Tensor, start: int, max_new: int, eos: set[int],
+                    dones: list) -> list[list[int]]:  # fmt: skip
+    """Greedy tokens for each row of a stacked cache (`stack`) from its first logits [B, V], the fed tokens at
+    positions from `start` on, one batched call a step over the rows still going (a finished row leaves the batch).
+    A row stops as run_kvpress's `decode` and questions' `answer` stop, after the token that is EOS, its
+    `max_new`-th, or makes `dones[r](tokens)` true (None: never); its tokens are returned with that EOS. A row's
+    logits may differ from its solo call's by a batched matrix product's rounding (`--validate` checks the answers)."""
+    outs = [[int(t)] for t in first_logits.argmax(-1).tolist()]
+
+    def going(r: int) -> bool:
+        out = outs[r]
+        return not (len(out) >= max_new or out[-1] in eos or (dones[r] is not None and dones[r](out)))
+
+    rows = list(range(len(outs)))
+    while True:
+        keep = [i for i, r in enumerate(rows) if going(r)]
+        if not keep:
+            return outs
+        if len(keep) < len(rows):
+            cache.batch_select_indices(torch.tensor(keep))
+            rows = [rows[i] for i in keep]
+        fed = torch.tensor([[outs[r][-1]] for r in rows])
+        where = torch.full((len(rows), 1), start + len(outs[rows[0]]) - 1)
+        logits = model(input_ids=fed, past_key_values=cache, position_ids=where).logits[:, -1]
+        for r, token in zip(rows, logits.argmax(-1).tolist(), strict=True):
+            outs[r].append(int(token))

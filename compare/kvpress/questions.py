@@ -21,7 +21,17 @@ from __future__ import annotations
 import time
 
 import torch
-from kv_tools import attn_modules, complete, kv_stats, score, set_masks, shared_prefill
+from kv_tools import (
+    attn_modules,
+    complete,
+    greedy_together,
+    kv_stats,
+    score,
+    set_masks,
+    shared_prefill,
+    stack,
+    together,
+)
 from kvpress import KVPressTextGenerationPipeline
 from press_registry import EAGER, OWN_PASS, PRESSES, kvzip_masks
 from transformers import DynamicCache
@@ -81,6 +91,28 @@ def ask(pipe, cache: DynamicCache, context_length: int, questions: list[torch.Te
 
 
 @torch.no_grad()
+def ask_together(pipe, caches: list[DynamicCache], context_length: int, questions: list[torch.Tensor], max_new: int,
+                 stops: list) -> list[list[str]]:  # fmt: skip
+    """`ask` for several caches of one length and no masks at once (`kv_tools.together`): each question goes into a
+    stack of the context-only caches (`kv_tools.stack`, as the pipeline's loop leaves each cache between questions),
+    and its answers are decoded in one batch (`kv_tools.greedy_together`, stopping as `answer` does). Answers per
+    cache, in question order."""
+    model, rows = pipe.model, len(caches)
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    answers: list[list[str]] = [[] for _ in caches]
+    for question, done in zip(questions, stops, strict=True):
+        cache, start = stack(caches), context_length + question.shape[1]
+        positions = torch.arange(context_length, start).unsqueeze(0).expand(rows, -1)
+        logits = model(input_ids=question.expand(rows, -1), past_key_values=cache, position_ids=positions,
+                       logits_to_keep=1).logits[:, -1]  # fmt: skip
+        outs = greedy_together(model, cache, logits, start, max_new, eos, [done] * rows)
+        for mine, tokens in zip(answers, outs, strict=True):
+            mine.append(str(pipe.tokenizer.decode(tokens, skip_special_tokens=True)))
+    return answers
+
+
+@torch.no_grad()
 def native(pipe, press, context: torch.Tensor, questions: list[torch.Tensor], max_new: int,
            stops: list | None = None) -> tuple:  # fmt: skip
     """kvpress's pipeline on one context and its questions: (answers, the compressed cache, prefill s, answers s).
@@ -113,9 +145,10 @@ def masks_of(model) -> list | None:
     return masks if any(m is not None for m in masks) else None
 
 
-def run_questions(models: dict, rec: dict, todo: list, mode: str) -> dict:
+def run_questions(models: dict, rec: dict, todo: list, mode: str, alone: bool = False) -> dict:
     """{(press, ratio): result} for one record with several questions: each press compresses the context once, then
-    every question is answered from that cache (the predictions, their scores and their mean)."""
+    every question is answered from that cache (the predictions, their scores and their mean). Mode shared answers
+    the caches it can stack together in one batch (`ask_together`), unless `alone`."""
     pipes = models.setdefault("pipelines", pipelines(models))
     context = torch.tensor([rec["context_ids"]])
     asks = rec["questions"]
@@ -157,12 +190,20 @@ def run_questions(models: dict, rec: dict, todo: list, mode: str) -> dict:
         begin = time.perf_counter()
         _, caches = shared_prefill(models[kind], context, {f"{p}|{r}": PRESSES[p](r) for p, r in group if p != "full"})
         prefill_s = time.perf_counter() - begin
-        for cfg in group:
-            cache, masks = caches["full" if cfg[0] == "full" else f"{cfg[0]}|{cfg[1]}"]
+        mine = {cfg: caches["full" if cfg[0] == "full" else f"{cfg[0]}|{cfg[1]}"] for cfg in group}
+        for rows in [[cfg] for cfg in group] if alone else together(group, mine):
+            cache, masks = mine[rows[0]]
+            begin = time.perf_counter()
+            if masks is None and not alone:
+                stats = {cfg: kv_stats(mine[cfg][0], None) for cfg in rows}
+                answered = ask_together(pipes[kind], [mine[cfg][0] for cfg in rows], n, questions, new, stops)
+                spent = (time.perf_counter() - begin) / len(rows)
+                for cfg, answers in zip(rows, answered, strict=True):
+                    finish(cfg, answers, stats[cfg] | {"decoded_with": len(rows)}, prefill_s, spent)
+                continue
             stats = kv_stats(cache, masks)
             set_masks(models[kind], masks)
-            begin = time.perf_counter()
             answers = ask(pipes[kind], cache, n, questions, new, stops)
             set_masks(models[kind], None)
-            finish(cfg, answers, stats, prefill_s, time.perf_counter() - begin)
+            finish(rows[0], answers, stats, prefill_s, time.perf_counter() - begin)
     return results

@@ -54,7 +54,17 @@ from pathlib import Path
 
 import kvpress
 import torch
-from kv_tools import complete, kv_stats, score, set_masks, shared_prefill, standard_prefill
+from kv_tools import (
+    complete,
+    greedy_together,
+    kv_stats,
+    score,
+    set_masks,
+    shared_prefill,
+    stack,
+    standard_prefill,
+    together,
+)
 from press_registry import DEFAULT_PRESSES, EAGER, OWN_PASS, PRESSES, kvzip_masks
 from questions import run_questions
 from transformers import AutoModelForCausalLM
@@ -99,12 +109,14 @@ def save_state(path: Path, state: dict) -> None:
     os.replace(tmp, path)
 
 
-def run_sample(models: dict, rec: dict, todo: list, mode: str, eos: set[int], agnostic: bool = False) -> dict:
+def run_sample(models: dict, rec: dict, todo: list, mode: str, eos: set[int], agnostic: bool = False,
+               alone: bool = False) -> dict:  # fmt: skip
     """{(press, ratio): result} for one sample under every config in `todo`. `agnostic`: the press compresses the
     context alone; the question (its ids after the context's) is the next call, uncompressed, as kvpress's pipeline.
-    A record with several questions runs kvpress's pipeline question by question (questions.py)."""
+    A record with several questions runs kvpress's pipeline question by question (questions.py). Mode shared decodes
+    the answers of the caches it can stack together (`kv_tools.together`), unless `alone`."""
     if agnostic and "questions" in rec:
-        return run_questions(models, rec, todo, mode)
+        return run_questions(models, rec, todo, mode, alone)
     ids = torch.tensor([rec["context_ids"] if agnostic else rec["input_ids"]])
     n, new = ids.shape[1], rec["max_new_tokens"]
     question = torch.tensor([rec["question_ids"]]) if agnostic else None
@@ -133,6 +145,34 @@ def run_sample(models: dict, rec: dict, todo: list, mode: str, eos: set[int], ag
             "decode_s": round(time.perf_counter() - t0, 3),
         }
 
+    def finish_together(cfgs, model, logits, caches, seconds):
+        set_masks(model, None)
+        stats = {cfg: kv_stats(caches[cfg][0], None) for cfg in cfgs}
+        cache = stack([caches[cfg][0] for cfg in cfgs])
+        answered = complete(models["tokenizer_decode"], rec["answers"], rec["metric"])
+        t0, start, rows = time.perf_counter(), n, len(cfgs)
+        with torch.no_grad():
+            if question is None:
+                logits = logits.expand(rows, -1)
+            else:
+                start = n + question.shape[1]
+                logits = model(input_ids=question.expand(rows, -1), past_key_values=cache,
+                               position_ids=torch.arange(n, start)[None].expand(rows, -1),
+                               logits_to_keep=1).logits[:, -1]  # fmt: skip
+        outs = greedy_together(model, cache, logits, start, new, eos, [answered] * rows)
+        spent = (time.perf_counter() - t0) / rows
+        for cfg, tokens in zip(cfgs, outs, strict=True):
+            text = models["tokenizer_decode"]([t for t in tokens if t not in eos])
+            results[cfg] = {
+                "prediction": text,
+                "score": score(text, rec["answers"], rec["metric"]),
+                "prompt_tokens": int(ids.shape[1] + (0 if question is None else question.shape[1])),
+                **stats[cfg],
+                "prefill_s": round(seconds, 3),
+                "decode_s": round(spent, 3),
+                "decoded_with": rows,  # answers decoded in one batch; decode_s is its time over its rows
+            }
+
     standard = todo if mode == "standard" else [c for c in todo if c[0] in OWN_PASS]  # KVzip: passes of its own
     passes = {}  # mode shared: KVzip's pass over this prompt by press (scores, first logits, cache), for other ratios
     for cfg in standard:
@@ -157,9 +197,12 @@ def run_sample(models: dict, rec: dict, todo: list, mode: str, eos: set[int], ag
         t0 = time.perf_counter()
         logits, caches = shared_prefill(models[kind], ids, presses)
         seconds = time.perf_counter() - t0
-        for cfg in group:
-            cache, masks = caches["full" if cfg[0] == "full" else f"{cfg[0]}|{cfg[1]}"]
-            finish(cfg, models[kind], logits, cache, masks, seconds)
+        mine = {cfg: caches["full" if cfg[0] == "full" else f"{cfg[0]}|{cfg[1]}"] for cfg in group}
+        for rows in [[cfg] for cfg in group] if alone else together(group, mine):
+            if mine[rows[0]][1] is None and not alone:
+                finish_together(rows, models[kind], logits, mine, seconds)
+            else:
+                finish(rows[0], models[kind], logits, *mine[rows[0]], seconds)
     return results
 
 
@@ -200,6 +243,9 @@ def main() -> None:
                    help="query-agnostic: compress the context alone, then the question (RULER's 13); a sample "
                    "exported with several questions (export_samples.py --questions 4) is compressed once and each "
                    "question answered from it, kvpress's pipeline questions=[...] (issue 50)")  # fmt: skip
+    p.add_argument("--decode", choices=("together", "alone"), default="together",
+                   help="mode shared: the answers of caches without masks and of one length decoded in one batch a "
+                   "step (together), or each alone")  # fmt: skip
     p.add_argument("--validate", type=int, default=0, help="compare shared vs standard on N samples, then stop")
     p.add_argument("--summarize", action="store_true", help="only rewrite the tables from OUT/results.json")
     args = p.parse_args()
@@ -247,7 +293,7 @@ def main() -> None:
     models = load_models(records[0]["model_dir"], need_eager=any(n in EAGER for n in names))
     cfgs = configs(names, ratios)
     if args.validate:
-        validate(models, records[: args.validate], cfgs, eos, agnostic)
+        validate(models, records[: args.validate], cfgs, eos, agnostic, alone=args.decode == "alone")
         return
     state = load_state(state_path)
     state["meta"] = {
@@ -256,6 +302,7 @@ def main() -> None:
         "transformers": __import__("transformers").__version__,
         "threads": torch.get_num_threads(),
         "mode": args.mode,
+        "decode": args.decode,
         "samples": args.samples,
         "model_dir": records[0]["model_dir"],
         "setting": args.setting,
@@ -270,7 +317,7 @@ def main() -> None:
         if not todo:
             continue
         began = time.perf_counter()
-        results = run_sample(models, rec, todo, args.mode, eos, agnostic)
+        results = run_sample(models, rec, todo, args.mode, eos, agnostic, alone=args.decode == "alone")
         seconds = state.setdefault("seconds", {})  # wall time per sample, summed over resumed runs (for summary.md)
         seconds[rec["id"]] = seconds.get(rec["id"], 0.0) + time.perf_counter() - began
         for cfg, res in results.items():
@@ -297,12 +344,13 @@ def agree(shared: dict, standard: dict) -> bool:
     return starts and shared.get("scores", shared["score"]) == standard.get("scores", standard["score"])
 
 
-def validate(models: dict, records: list[dict], cfgs: list, eos: set[int], agnostic: bool = False) -> None:
+def validate(models: dict, records: list[dict], cfgs: list, eos: set[int], agnostic: bool = False,
+             alone: bool = False) -> None:  # fmt: skip
     """Shared prefill vs one prefill per press (several questions: kvpress's pipeline, its own answers): the same
     scores, predictions (or their start: `agree`) and cache sizes, or exit 1."""
     bad = 0
     for rec in records:
-        a = run_sample(models, rec, cfgs, "shared", eos, agnostic)
+        a = run_sample(models, rec, cfgs, "shared", eos, agnostic, alone)
         b = run_sample(models, rec, cfgs, "standard", eos, agnostic)
         for cfg in cfgs:
             said = {k: r[cfg].get("predictions", r[cfg].get("prediction")) for k, r in (("a", a), ("b", b))}

@@ -162,3 +162,21 @@ def greedy_together(model, cache: DynamicCache, first_logits: torch.Tensor, star
         logits = model(input_ids=fed, past_key_values=cache, position_ids=where).logits[:, -1]
         for r, token in zip(rows, logits.argmax(-1).tolist(), strict=True):
             outs[r].append(int(token))
+
+
+@torch.no_grad()
+def answer_together(model, caches: list[DynamicCache], n: int, question: torch.Tensor | None,
+                    first_logits: torch.Tensor | None, max_new: int, eos: set[int],
+                    done) -> list[list[int]]:  # fmt: skip
+    """Each cache's greedy answer (`greedy_together`'s tokens) decoded in one batch over a stack of the caches (they
+    stay as they are): `question` [1, q] fed at the positions after the `n` cached ones, or, with None (query-aware),
+    the prompt's own last logits `first_logits` [V] for every row; `done(tokens)` stops a row (None: never)."""
+    cache, rows, start = stack(caches), len(caches), n
+    if question is None:
+        logits = first_logits.expand(rows, -1)
+    else:
+        start = n + question.shape[1]
+        positions = torch.arange(n, start)[None].expand(rows, -1)
+        logits = model(input_ids=question.expand(rows, -1), past_key_values=cache, position_ids=positions,
+                       logits_to_keep=1).logits[:, -1]  # fmt: skip
+    return greedy_together(model, cache, logits, start, max_new, eos, [done] * rows)

@@ -21,17 +21,7 @@ from __future__ import annotations
 import time
 
 import torch
-from kv_tools import (
-    attn_modules,
-    complete,
-    greedy_together,
-    kv_stats,
-    score,
-    set_masks,
-    shared_prefill,
-    stack,
-    together,
-)
+from kv_tools import answer_together, attn_modules, complete, kv_stats, score, set_masks, shared_prefill, together
 from kvpress import KVPressTextGenerationPipeline
 from press_registry import EAGER, OWN_PASS, PRESSES, kvzip_masks
 from transformers import DynamicCache
@@ -93,20 +83,15 @@ def ask(pipe, cache: DynamicCache, context_length: int, questions: list[torch.Te
 @torch.no_grad()
 def ask_together(pipe, caches: list[DynamicCache], context_length: int, questions: list[torch.Tensor], max_new: int,
                  stops: list) -> list[list[str]]:  # fmt: skip
-    """`ask` for several caches of one length and no masks at once (`kv_tools.together`): each question goes into a
-    stack of the context-only caches (`kv_tools.stack`, as the pipeline's loop leaves each cache between questions),
-    and its answers are decoded in one batch (`kv_tools.greedy_together`, stopping as `answer` does). Answers per
-    cache, in question order."""
-    model, rows = pipe.model, len(caches)
+    """`ask` for several caches of one length and no masks at once (`kv_tools.together`): each question's answers
+    are decoded in one batch from a stack of the context-only caches, as the pipeline's loop leaves each cache between
+    questions (`kv_tools.answer_together`, stopping as `answer` does). Answers per cache, in question order."""
+    model = pipe.model
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
     answers: list[list[str]] = [[] for _ in caches]
     for question, done in zip(questions, stops, strict=True):
-        cache, start = stack(caches), context_length + question.shape[1]
-        positions = torch.arange(context_length, start).unsqueeze(0).expand(rows, -1)
-        logits = model(input_ids=question.expand(rows, -1), past_key_values=cache, position_ids=positions,
-                       logits_to_keep=1).logits[:, -1]  # fmt: skip
-        outs = greedy_together(model, cache, logits, start, max_new, eos, [done] * rows)
+        outs = answer_together(model, caches, context_length, question, None, max_new, eos, done)
         for mine, tokens in zip(answers, outs, strict=True):
             mine.append(str(pipe.tokenizer.decode(tokens, skip_special_tokens=True)))
     return answers

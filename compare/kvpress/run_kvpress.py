@@ -54,17 +54,7 @@ from pathlib import Path
 
 import kvpress
 import torch
-from kv_tools import (
-    complete,
-    greedy_together,
-    kv_stats,
-    score,
-    set_masks,
-    shared_prefill,
-    stack,
-    standard_prefill,
-    together,
-)
+from kv_tools import answer_together, complete, kv_stats, score, set_masks, shared_prefill, standard_prefill, together
 from press_registry import DEFAULT_PRESSES, EAGER, OWN_PASS, PRESSES, kvzip_masks
 from questions import run_questions
 from transformers import AutoModelForCausalLM
@@ -122,6 +112,18 @@ def run_sample(models: dict, rec: dict, todo: list, mode: str, eos: set[int], ag
     question = torch.tensor([rec["question_ids"]]) if agnostic else None
     results = {}
 
+    def record(cfg, tokens, stats, seconds, decode_s, **extra):
+        text = models["tokenizer_decode"]([t for t in tokens if t not in eos])
+        results[cfg] = {
+            "prediction": text,
+            "score": score(text, rec["answers"], rec["metric"]),
+            "prompt_tokens": int(ids.shape[1] + (0 if question is None else question.shape[1])),
+            **stats,
+            "prefill_s": round(seconds, 3),
+            "decode_s": round(decode_s, 3),
+            **extra,
+        }
+
     def finish(cfg, model, logits, cache, masks, seconds):
         stats = kv_stats(cache, masks)
         set_masks(model, masks)
@@ -135,43 +137,16 @@ def run_sample(models: dict, rec: dict, todo: list, mode: str, eos: set[int], ag
                                logits_to_keep=1).logits[0, -1]  # fmt: skip
         tokens = decode(model, cache, logits, start, new, eos, answered)
         set_masks(model, None)
-        text = models["tokenizer_decode"](tokens)
-        results[cfg] = {
-            "prediction": text,
-            "score": score(text, rec["answers"], rec["metric"]),
-            "prompt_tokens": int(ids.shape[1] + (0 if question is None else question.shape[1])),
-            **stats,
-            "prefill_s": round(seconds, 3),
-            "decode_s": round(time.perf_counter() - t0, 3),
-        }
+        record(cfg, tokens, stats, seconds, time.perf_counter() - t0)
 
     def finish_together(cfgs, model, logits, caches, seconds):
         set_masks(model, None)
-        stats = {cfg: kv_stats(caches[cfg][0], None) for cfg in cfgs}
-        cache = stack([caches[cfg][0] for cfg in cfgs])
         answered = complete(models["tokenizer_decode"], rec["answers"], rec["metric"])
-        t0, start, rows = time.perf_counter(), n, len(cfgs)
-        with torch.no_grad():
-            if question is None:
-                logits = logits.expand(rows, -1)
-            else:
-                start = n + question.shape[1]
-                logits = model(input_ids=question.expand(rows, -1), past_key_values=cache,
-                               position_ids=torch.arange(n, start)[None].expand(rows, -1),
-                               logits_to_keep=1).logits[:, -1]  # fmt: skip
-        outs = greedy_together(model, cache, logits, start, new, eos, [answered] * rows)
-        spent = (time.perf_counter() - t0) / rows
-        for cfg, tokens in zip(cfgs, outs, strict=True):
-            text = models["tokenizer_decode"]([t for t in tokens if t not in eos])
-            results[cfg] = {
-                "prediction": text,
-                "score": score(text, rec["answers"], rec["metric"]),
-                "prompt_tokens": int(ids.shape[1] + (0 if question is None else question.shape[1])),
-                **stats[cfg],
-                "prefill_s": round(seconds, 3),
-                "decode_s": round(spent, 3),
-                "decoded_with": rows,  # answers decoded in one batch; decode_s is its time over its rows
-            }
+        t0 = time.perf_counter()
+        outs = answer_together(model, [caches[c][0] for c in cfgs], n, question, logits, new, eos, answered)
+        spent = (time.perf_counter() - t0) / len(cfgs)
+        for cfg, tokens in zip(cfgs, outs, strict=True):  # decode_s: the batch's time over its rows
+            record(cfg, tokens, kv_stats(caches[cfg][0], None), seconds, spent, decoded_with=len(cfgs))
 
     standard = todo if mode == "standard" else [c for c in todo if c[0] in OWN_PASS]  # KVzip: passes of its own
     passes = {}  # mode shared: KVzip's pass over this prompt by press (scores, first logits, cache), for other ratios

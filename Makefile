@@ -36,7 +36,7 @@ demo: setup
 
 test: setup
 	$(BIN)/ruff check h2o_kv tests compare results
-	$(WITH_VENV) $(BIN)/python -m pytest -q -n 2 --durations=25  # pytest-xdist: the tests over two processes
+	$(WITH_VENV) $(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25  # pytest-xdist: the tests over two processes (a group on one)
 
 lint: setup
 	$(BIN)/ruff check h2o_kv tests compare results

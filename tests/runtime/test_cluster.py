@@ -9,6 +9,7 @@ time. The routing rule and the gateway without Ray: tests/runtime/test_cluster_r
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import signal
@@ -30,6 +31,10 @@ from h2o_kv.runtime.serve.launch import free_port  # noqa: E402
 from h2o_kv.runtime.serve.requests import Limits  # noqa: E402
 
 from serve_helpers import MODEL, tiny_model, wait_for  # noqa: E402
+
+# One worker runs this file (`make test`: --dist loadgroup), so one cluster serves its tests: under plain `load`
+# each worker could start its own, two private Rays at once on a two-core machine.
+pytestmark = pytest.mark.xdist_group("cluster")
 
 KV_MEMORY = 400_000  # bytes per replica
 SESSION_MEMORY = 200_000  # bytes of finished requests' caches each replica keeps for reuse (a dozen)
@@ -202,13 +207,16 @@ def test_a_client_that_goes_away_frees_its_replica(cluster):
     assert sum(m["generated_tokens"] for m in replicas(cluster).values()) - before < 3500
 
 
-def _hold(url: str, user: str, stop: threading.Event) -> concurrent.futures.Future:
-    """A long stream (ignore_eos) in a thread, so its replica holds a large KV reservation until `stop` is set;
-    then the client hangs up (the replica cancels it). Its `HOLD_TOKENS` outlast the test, so its end is never
-    counted as a finish while the test reads its replica's counts; a test that fails before setting `stop` still
-    ends it after `HOLD_SECONDS`."""
+@contextlib.contextmanager
+def _holding(url: str, user: str):
+    """A long stream (ignore_eos) in a thread, so its replica holds a large KV reservation while the `with` block
+    runs; then the client hangs up (the replica cancels it), also when the block fails, so a failed test leaves no
+    stream running into the next. Its `HOLD_TOKENS` outlast the test, so its end is never counted as a finish while
+    the test reads its replica's counts; it ends after `HOLD_SECONDS` whatever happens. Yields (the stream's
+    future, the replica running it)."""
     api = client(url)
     deadline = time.monotonic() + HOLD_SECONDS
+    stop = threading.Event()
 
     def run() -> int:
         chunks = 0
@@ -220,7 +228,33 @@ def _hold(url: str, user: str, stop: threading.Event) -> concurrent.futures.Futu
                     break
         return chunks
 
-    return concurrent.futures.ThreadPoolExecutor(1).submit(run)
+    held = concurrent.futures.ThreadPoolExecutor(1).submit(run)
+    try:
+        yield held, _running_the_hold(url)
+    finally:
+        stop.set()
+    assert held.result(timeout=120) > 0
+
+
+def _running_the_hold(url: str) -> str:
+    """The replica running the held stream: the one request running, on the same replica in reports at least a
+    second apart, its generated tokens growing. One report is not enough: when Ray cannot reach a replica for a
+    while, the gateway sends the request again elsewhere, and the first replica's last report still shows it."""
+    first: dict = {}
+
+    def settled() -> bool:
+        stats = replicas(url)
+        if sorted(m["requests_running"] for m in stats.values()) != [0, 1]:
+            first.clear()
+            return False
+        (busy,) = [name for name, m in stats.items() if m["requests_running"] == 1]
+        if first.get("replica") != busy:
+            first.update(replica=busy, at=time.monotonic(), tokens=stats[busy]["generated_tokens"])
+            return False
+        return time.monotonic() - first["at"] >= 1 and stats[busy]["generated_tokens"] > first["tokens"]
+
+    wait_for(settled, timeout=60, what="the long request running on one replica")
+    return first["replica"]
 
 
 def _wait_finished(url: str, done, what: str, before: dict[str, float], busy: str, free: str) -> None:
@@ -243,26 +277,20 @@ def test_requests_go_to_the_replica_with_room_and_sessions_stick(cluster):
     api = client(cluster)
     # an earlier test's request may still be ending on a replica (its reservation would pass for alice's)
     wait_for(lambda: _running(cluster) == [0, 0], timeout=60, what="the replicas idle before the test")
-    stop = threading.Event()
-    held = _hold(cluster, "alice", stop)
-    wait_for(lambda: _running(cluster) == [0, 1], timeout=30, what="the long request running on one replica")
-    stats = replicas(cluster)
-    busy = max(stats, key=lambda r: stats[r]["requests_running"])  # alice's: the one request running
-    (free,) = set(stats) - {busy}
-    before = finished(cluster)
-    for i in range(4):  # other conversations: the replica with room
-        api.completions.create(model=MODEL, prompt=f"Hi {i}", max_tokens=3, user=f"bob{i}")
-    _wait_finished(
-        cluster, lambda now: now[free] == before[free] + 4, "the reports of the 4 requests", before, busy, free
-    )
-    assert not held.done(), "alice's stream ended: the busy replica's counts no longer tell where requests went"
-    assert finished(cluster)[busy] == before[busy]
-    api.completions.create(model=MODEL, prompt="Again", max_tokens=3, user="alice")  # alice's replica, though full
-    _wait_finished(cluster, lambda now: now[busy] == before[busy] + 1, "alice's request on her replica", before, busy,
-                   free)  # fmt: skip
-    assert finished(cluster)[free] == before[free] + 4
-    stop.set()
-    assert held.result(timeout=120) > 0
+    with _holding(cluster, "alice") as (held, busy):
+        (free,) = set(replicas(cluster)) - {busy}
+        before = finished(cluster)
+        for i in range(4):  # other conversations: the replica with room
+            api.completions.create(model=MODEL, prompt=f"Hi {i}", max_tokens=3, user=f"bob{i}")
+        _wait_finished(
+            cluster, lambda now: now[free] == before[free] + 4, "the reports of the 4 requests", before, busy, free
+        )
+        assert not held.done(), "alice's stream ended: the busy replica's counts no longer tell where requests went"
+        assert finished(cluster)[busy] == before[busy]
+        api.completions.create(model=MODEL, prompt="Again", max_tokens=3, user="alice")  # her replica, though full
+        _wait_finished(cluster, lambda now: now[busy] == before[busy] + 1, "alice's request on her replica", before,
+                       busy, free)  # fmt: skip
+        assert finished(cluster)[free] == before[free] + 4
 
 
 def _chat(url: str, messages: list[dict], **extra):
@@ -288,20 +316,14 @@ def test_a_conversations_next_turn_goes_to_the_replica_that_kept_its_first(clust
     turn1, turn2, ids1 = _turns(tokenizer, "Hello there, how are you today?")
     wait_for(lambda: _running(cluster) == [0, 0], timeout=60, what="the replicas idle before the test")
     assert _chat(cluster, turn1, user="conv").usage.prompt_tokens == len(ids1)
-    stop = threading.Event()
-    held = _hold(cluster, "conv", stop)
-    wait_for(lambda: _running(cluster) == [0, 1], timeout=30, what="the long request running on turn 1's replica")
-    stats = replicas(cluster)
-    holder = max(stats, key=lambda r: stats[r]["requests_running"])
-    hits = {name: m["prefix_hits"] for name, m in stats.items()}
-    reply = _chat(cluster, turn2)
-    assert reply.usage.prompt_tokens_details.cached_tokens == len(ids1), reply.usage
-    wait_for(lambda: replicas(cluster)[holder]["prefix_hits"] == hits[holder] + 1, timeout=30,
-             what="the prefix hit reported by turn 1's replica")  # fmt: skip
-    assert {name: m["prefix_hits"] for name, m in replicas(cluster).items() if name != holder} == {
-        name: count for name, count in hits.items() if name != holder}  # fmt: skip
-    stop.set()
-    assert held.result(timeout=120) > 0
+    with _holding(cluster, "conv") as (held, holder):
+        hits = {name: m["prefix_hits"] for name, m in replicas(cluster).items()}
+        reply = _chat(cluster, turn2)
+        assert reply.usage.prompt_tokens_details.cached_tokens == len(ids1), reply.usage
+        wait_for(lambda: replicas(cluster)[holder]["prefix_hits"] == hits[holder] + 1, timeout=30,
+                 what="the prefix hit reported by turn 1's replica")  # fmt: skip
+        assert {name: m["prefix_hits"] for name, m in replicas(cluster).items() if name != holder} == {
+            name: count for name, count in hits.items() if name != holder}  # fmt: skip
 
 
 def test_a_killed_replica_fails_only_its_requests_and_comes_back(cluster, tokenizer):

@@ -299,3 +299,65 @@ def test_a_request_the_gateway_finished_no_longer_counts_against_its_replica():
     assert not reports.finished("req-1") and KVRoomRouter.unreported(router, "free") == 1
     reports.finish("")  # no request id: nothing to remember
     assert KVRoomRouter.unreported(router, "free") == 1
+
+
+class _Call:
+    """One call's answer as the deployment handle gives it: async iteration over its parts, `cancel`, its request id;
+    `lost` makes its first part raise as a replica Ray cannot reach does."""
+
+    def __init__(self, request_id: str, lost: Exception | None) -> None:
+        self.request_id, self.lost, self.cancelled = request_id, lost, False
+        self.parts = iter([{"status": 200, "headers": [(b"content-type", b"application/json")]}, b'{"ok": true}'])
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.lost is not None:
+            raise self.lost
+        try:
+            return next(self.parts)
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _FlakyReplicas(_FakeReplicas):
+    """The first call's replica is unreachable (it may still be running the request); the next one answers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answers: list[_Call] = []
+
+    def remote(self, *call, prompt=None):
+        from ray.exceptions import ActorUnavailableError
+
+        self.calls.append(call)
+        lost = ActorUnavailableError("the replica did not answer in time", None) if len(self.calls) == 1 else None
+        self.answers.append(_Call(f"req-{len(self.calls)}", lost))
+        return self.answers[-1]
+
+
+def test_a_request_whose_replica_is_lost_is_sent_again_and_the_lost_call_cancelled():
+    """Ray reports a replica it cannot reach for a while (ActorUnavailableError) that may still run the request: the
+    gateway sends the request again and cancels the call it gave up on, so the request does not also run there (as a
+    flaky cluster test once saw: a held stream on both replicas), nor counts against that replica."""
+    pytest.importorskip("ray.serve")
+    from fastapi.testclient import TestClient
+
+    from h2o_kv.runtime.cluster import reports
+    from h2o_kv.runtime.cluster.gateway import build_gateway
+
+    fake = _FlakyReplicas()
+    with TestClient(build_gateway(fake, [])) as http:
+        reply = http.post("/v1/completions", json={"prompt": "x"})
+        assert reply.status_code == 200 and reply.json() == {"ok": True}
+        retries = [
+            line for line in http.get("/metrics").text.splitlines() if line.startswith("h2o_kv_gateway_retries_total")
+        ]
+    assert len(fake.calls) == 2 and [a.cancelled for a in fake.answers] == [True, False]
+    assert reports.finished("req-1") and retries == ["h2o_kv_gateway_retries_total 1.0"]
+    for request_id in ("req-1", "req-2"):
+        reports.forget(request_id)

@@ -9,8 +9,10 @@ call (prompts.py), when the replicas keep prefixes (`--session-memory`). What th
 as it is sent (streams included).
 
 A replica that dies: a request that has received nothing yet is sent again (another replica, up to
-`RETRIES` tries); a stream that already started ends with an OpenAI-shaped error event and `data: [DONE]`;
-Ray Serve restarts the replica. /metrics shows the gateway's own counts and each replica's last report
+`RETRIES` tries). The call given up on is cancelled: Ray also reports as lost a replica it cannot reach for a while
+(`ActorUnavailableError`), which may still run the request, and it must not go on beside its retry. A stream that
+already started ends with an OpenAI-shaped error event and `data: [DONE]`; Ray Serve restarts the replica. /metrics
+shows the gateway's own counts and each replica's last report
 (running, waiting, KV bytes in use and allowed), labelled by replica.
 
 Shutdown (launch.stop, on SIGTERM) drains through the gateway, as the one-process server does: `begin_drain`
@@ -169,6 +171,8 @@ def build_gateway(replicas, api_keys: list[str], max_body_bytes: int = 1 << 20, 
                 break
             except LOST:
                 drain.calls.discard(parts)
+                parts.cancel()  # a replica only unreachable for a while would otherwise run it beside the retry
+                reports.finish(getattr(parts, "request_id", ""))  # nor does it count against that replica any more
                 retried.inc()
             except RequestCancelledError:
                 drain.calls.discard(parts)

@@ -298,7 +298,12 @@ def llama():
     policy=st.one_of(
         st.builds(h2o_kv.H2O, heavy=st.integers(0, 4), recent=st.integers(1, 4)),
         st.builds(h2o_kv.TOVA, budget=st.integers(1, 6)),
-        st.builds(h2o_kv.KeyDiff, budget=st.integers(1, 6), recent=st.integers(0, 3)),
+        # not KeyDiff(budget=1, recent=0): it chooses between exactly two keys, whose cosines to their anchor are
+        # equal in exact arithmetic (docs/eviction.md), so a batch's rounding and a single run's may keep different
+        # ones; tests/reference.py leaves such near ties to rounding, a model's logits cannot
+        st.builds(h2o_kv.KeyDiff, budget=st.integers(1, 6), recent=st.integers(0, 3)).filter(
+            lambda p: p.budget > 1 or p.recent > 0
+        ),
         st.builds(h2o_kv.StreamingLLM, sinks=st.integers(0, 2), window=st.integers(1, 4)),
         st.builds(h2o_kv.SnapKV, budget=st.integers(1, 8), window=st.integers(1, 4), pool=st.sampled_from([1, 3])),
         st.builds(lambda h, r: h2o_kv.AdaKV(h2o_kv.H2O(heavy=h, recent=r)), st.integers(0, 4), st.integers(1, 4)),

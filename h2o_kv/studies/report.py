@@ -115,7 +115,19 @@ def command_line(argv: Sequence[str] | None = None) -> str:
         name = f"python -m {module.removesuffix('.__main__')}"
     else:
         name = prog.name
-    return " ".join([name, *argv[1:]])
+    return " ".join([name, *(_in_checkout(arg) for arg in argv[1:])])
+
+
+def _in_checkout(arg: str) -> str:
+    """An absolute path inside a git checkout, shown from the checkout's root (`--out /work/x/results/t` ->
+    `results/t`), so a recorded command reads the same whichever clone or worktree ran it; anything else as given."""
+    if not arg.startswith("/"):
+        return arg
+    path = Path(arg)
+    for folder in path.parents:
+        if (folder / ".git").exists():  # a directory in a clone, a file in a worktree
+            return str(path.relative_to(folder))
+    return arg
 
 
 def pyplot():

@@ -43,3 +43,18 @@ def test_every_gpu_row_records_where_it_ran(tmp_path):
     assert written == rows[0]
     assert written["cell"] == "step" and written["gpu"] == "given" and written["torch"] == torch.__version__
     assert written["commit"] and "triton" in written
+
+
+def test_a_recorded_command_shows_paths_inside_a_checkout_from_its_root(tmp_path):
+    """A study run from a worktree writes to the main checkout by absolute path; the command its summary records
+    reads as from the checkout's root, whichever clone ran it. Paths outside a checkout stay as given."""
+    from h2o_kv.studies.report import command_line
+
+    (tmp_path / "clone" / ".git").mkdir(parents=True)
+    (tmp_path / "tree").mkdir()
+    (tmp_path / "tree" / ".git").write_text("gitdir: elsewhere\n")  # a worktree's .git is a file
+    argv = ["/venv/bin/h2o-kv", "eval", "--out", f"{tmp_path}/clone/results/t", "--samples", f"{tmp_path}/tree/s.jsonl",
+            "--model", f"{tmp_path}/models/m", "--threads", "1"]  # fmt: skip
+    assert (
+        command_line(argv) == f"h2o-kv eval --out results/t --samples s.jsonl --model {tmp_path}/models/m --threads 1"
+    )

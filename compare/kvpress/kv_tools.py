@@ -136,11 +136,12 @@ def together(configs: list, caches: dict) -> list[list]:
 
 
 @torch.no_grad()
-def greedy_together(model, cache: DynamicCache, first_logits: torch.Tensor, start: int, max_new: int, eos: set[int],
-                    dones: list) -> list[list[int]]:  # fmt: skip
-    """Greedy tokens for each row of a stacked cache (`stack`) from its first logits [B, V], the fed tokens at
-    positions from `start` on, one batched call a step over the rows still going (a finished row leaves the batch).
-    A row stops as run_kvpress's `decode` and questions' `answer` stop, after the token that is EOS, its
+def greedy_together(model, cache: DynamicCache, first_logits: torch.Tensor, starts: list[int], max_new: int,
+                    eos: set[int], dones: list, mask: torch.Tensor | None = None) -> list[list[int]]:  # fmt: skip
+    """Greedy tokens for each row of a stacked cache (`stack`) from its first logits [B, V], row r's fed tokens at
+    positions from `starts[r]` on, one batched call a step over the rows still going (a finished row leaves the
+    batch); `mask` [B, slots] (None: every slot) marks the cache slots each row attends to, and grows with the fed
+    tokens. A row stops as run_kvpress's `decode` and questions' `answer` stop, after the token that is EOS, its
     `max_new`-th, or makes `dones[r](tokens)` true (None: never); its tokens are returned with that EOS. A row's
     logits may differ from its solo call's by a batched matrix product's rounding (`--validate` checks the answers)."""
     outs = [[int(t)] for t in first_logits.argmax(-1).tolist()]
@@ -157,26 +158,46 @@ def greedy_together(model, cache: DynamicCache, first_logits: torch.Tensor, star
         if len(keep) < len(rows):
             cache.batch_select_indices(torch.tensor(keep))
             rows = [rows[i] for i in keep]
+            mask = None if mask is None else mask[keep]
         fed = torch.tensor([[outs[r][-1]] for r in rows])
-        where = torch.full((len(rows), 1), start + len(outs[rows[0]]) - 1)
-        logits = model(input_ids=fed, past_key_values=cache, position_ids=where).logits[:, -1]
+        where = torch.tensor([[starts[r] + len(outs[r]) - 1] for r in rows])
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
+        logits = model(input_ids=fed, past_key_values=cache, position_ids=where, attention_mask=mask).logits[:, -1]
         for r, token in zip(rows, logits.argmax(-1).tolist(), strict=True):
             outs[r].append(int(token))
 
 
 @torch.no_grad()
-def answer_together(model, caches: list[DynamicCache], n: int, question: torch.Tensor | None,
+def answer_together(model, caches: list[DynamicCache], n: int, questions: list[torch.Tensor] | None,
                     first_logits: torch.Tensor | None, max_new: int, eos: set[int],
-                    done) -> list[list[int]]:  # fmt: skip
-    """Each cache's greedy answer (`greedy_together`'s tokens) decoded in one batch over a stack of the caches (they
-    stay as they are): `question` [1, q] fed at the positions after the `n` cached ones, or, with None (query-aware),
-    the prompt's own last logits `first_logits` [V] for every row; `done(tokens)` stops a row (None: never)."""
-    cache, rows, start = stack(caches), len(caches), n
-    if question is None:
-        logits = first_logits.expand(rows, -1)
-    else:
-        start = n + question.shape[1]
-        positions = torch.arange(n, start)[None].expand(rows, -1)
-        logits = model(input_ids=question.expand(rows, -1), past_key_values=cache, position_ids=positions,
-                       logits_to_keep=1).logits[:, -1]  # fmt: skip
-    return greedy_together(model, cache, logits, start, max_new, eos, [done] * rows)
+                    dones: list) -> list[list[list[int]]]:  # fmt: skip
+    """Each cache's greedy answer to each question (`greedy_together`'s tokens), all decoded in one batch over a
+    stack of the caches, one row per (question, cache) (the caches stay as they are); returns [question][cache].
+    A question [1, q] is fed at the positions after the `n` context tokens, as the pipeline numbers it; questions
+    of different lengths are left-padded to the longest, their pad slots masked out of every row's attention. With
+    `questions` None (query-aware) every row starts from the prompt's own last logits `first_logits` [V].
+    `dones[j](tokens)` stops question j's rows (None: never)."""
+    if questions is None:
+        (done,) = dones
+        logits = first_logits.expand(len(caches), -1)
+        return [greedy_together(model, stack(caches), logits, [n] * len(caches), max_new, eos, [done] * len(caches))]
+    widths = [q.shape[1] for q in questions]
+    if len(set(widths)) > 1 and len({layer.keys.shape[2] for layer in caches[0].layers}) > 1:
+        # one mask serves every layer, so padding needs one kept length in all: ask question by question
+        return [answer_together(model, caches, n, [q], None, max_new, eos, [d])[0] for q, d in zip(questions, dones)]
+    width, kept, per = max(widths), caches[0].get_seq_length(), len(caches)
+    fed = torch.cat([torch.nn.functional.pad(q, (width - q.shape[1], 0)) for q in questions]).repeat_interleave(per, 0)
+    positions = torch.cat([torch.arange(n + q.shape[1] - width, n + q.shape[1])[None] for q in questions])
+    positions = positions.clamp_min(n).repeat_interleave(per, 0)  # a pad's position: any, it is masked
+    mask = None
+    if len(set(widths)) > 1:
+        pads = torch.arange(width)[None] < torch.tensor([width - w for w in widths])[:, None]  # [questions, width]
+        mask = torch.cat([torch.ones(len(questions), kept, dtype=torch.long), (~pads).long()], 1)
+        mask = mask.repeat_interleave(per, 0)
+    cache = stack([c for _ in questions for c in caches])
+    logits = model(input_ids=fed, past_key_values=cache, position_ids=positions, attention_mask=mask,
+                   logits_to_keep=1).logits[:, -1]  # fmt: skip
+    starts = [n + w for w in widths for _ in caches]
+    outs = greedy_together(model, cache, logits, starts, max_new, eos, [d for d in dones for _ in caches], mask)
+    return [outs[j * per : (j + 1) * per] for j in range(len(questions))]

@@ -83,18 +83,16 @@ def ask(pipe, cache: DynamicCache, context_length: int, questions: list[torch.Te
 @torch.no_grad()
 def ask_together(pipe, caches: list[DynamicCache], context_length: int, questions: list[torch.Tensor], max_new: int,
                  stops: list) -> list[list[str]]:  # fmt: skip
-    """`ask` for several caches of one length and no masks at once (`kv_tools.together`): each question's answers
-    are decoded in one batch from a stack of the context-only caches, as the pipeline's loop leaves each cache between
-    questions (`kv_tools.answer_together`, stopping as `answer` does). Answers per cache, in question order."""
+    """`ask` for several caches of one length and no masks at once (`kv_tools.together`): every question's answers
+    are decoded in one batch, a row per (question, cache) over a stack of the context-only caches, as the pipeline's
+    loop leaves each cache between questions (`kv_tools.answer_together`, stopping as `answer` does; a shorter
+    question's pad slots masked out). Answers per cache, in question order."""
     model = pipe.model
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
-    answers: list[list[str]] = [[] for _ in caches]
-    for question, done in zip(questions, stops, strict=True):
-        outs = answer_together(model, caches, context_length, question, None, max_new, eos, done)
-        for mine, tokens in zip(answers, outs, strict=True):
-            mine.append(str(pipe.tokenizer.decode(tokens, skip_special_tokens=True)))
-    return answers
+    outs = answer_together(model, caches, context_length, questions, None, max_new, eos, stops)  # [question][cache]
+    return [[str(pipe.tokenizer.decode(outs[j][i], skip_special_tokens=True)) for j in range(len(questions))]
+            for i in range(len(caches))]  # fmt: skip
 
 
 @torch.no_grad()

@@ -143,7 +143,8 @@ def run_sample(models: dict, rec: dict, todo: list, mode: str, eos: set[int], ag
         set_masks(model, None)
         answered = complete(models["tokenizer_decode"], rec["answers"], rec["metric"])
         t0 = time.perf_counter()
-        outs = answer_together(model, [caches[c][0] for c in cfgs], n, question, logits, new, eos, answered)
+        asked = None if question is None else [question]
+        (outs,) = answer_together(model, [caches[c][0] for c in cfgs], n, asked, logits, new, eos, [answered])
         spent = (time.perf_counter() - t0) / len(cfgs)
         for cfg, tokens in zip(cfgs, outs, strict=True):  # decode_s: the batch's time over its rows
             record(cfg, tokens, kv_stats(caches[cfg][0], None), seconds, spent, decoded_with=len(cfgs))

@@ -117,20 +117,37 @@ def standard_prefill(model, ids: torch.Tensor, press) -> tuple[torch.Tensor, Dyn
 # ------------------------------------------------------------------------------------------ decoding
 
 
-def stack(caches: list[DynamicCache]) -> DynamicCache:
-    """One cache whose row r is `caches[r]`'s one sequence, copied (every layer as long in each: `together` groups
-    them so), so that one batched call steps them all."""
+def one_length(cache: DynamicCache) -> int | None:
+    """The cache's kept length if every layer holds as many, else None."""
+    lengths = {layer.keys.shape[2] for layer in cache.layers}
+    return lengths.pop() if len(lengths) == 1 else None
+
+
+def stack(caches: list[DynamicCache], slots: int | None = None) -> DynamicCache:
+    """One cache whose row r is `caches[r]`'s one sequence, copied, so that one batched call steps them all: every
+    layer as long in each (`together` groups them so), or, with `slots`, each right-padded with zeros to that many
+    (their `answer_together` mask keeps the pad slots out of attention)."""
+
+    def row(t: torch.Tensor) -> torch.Tensor:
+        return t if slots is None else torch.nn.functional.pad(t, (0, 0, 0, slots - t.shape[2]))
+
     layers = zip(*([(layer.keys, layer.values) for layer in cache.layers] for cache in caches), strict=True)
-    return new_cache([(torch.cat([k for k, _ in rows]), torch.cat([v for _, v in rows])) for rows in layers])
+    return new_cache([(torch.cat([row(k) for k, _ in rows]), torch.cat([row(v) for _, v in rows])) for rows in layers])
 
 
 def together(configs: list, caches: dict) -> list[list]:
-    """`configs` in groups that decode in one batch: caches without masks (AdaKV's and KVzip's are set on the model's
-    modules, one per call) and of the same length in every layer; a masked cache is a group of its own."""
+    """`configs` in groups that decode in one batch: the caches without masks (AdaKV's and KVzip's are set on the
+    model's modules, one per call) whose layers all hold one length (any: `answer_together` pads them), and those
+    whose layers differ, by their lengths; a masked cache is a group of its own."""
     groups: dict = {}
     for cfg in configs:
         cache, masks = caches[cfg]
-        key = cfg if masks is not None else tuple(layer.keys.shape[2] for layer in cache.layers)
+        if masks is not None:
+            key = cfg
+        else:
+            key = (
+                "one length" if one_length(cache) is not None else tuple(layer.keys.shape[2] for layer in cache.layers)
+            )
         groups.setdefault(key, []).append(cfg)
     return list(groups.values())
 
@@ -174,30 +191,31 @@ def answer_together(model, caches: list[DynamicCache], n: int, questions: list[t
                     dones: list) -> list[list[list[int]]]:  # fmt: skip
     """Each cache's greedy answer to each question (`greedy_together`'s tokens), all decoded in one batch over a
     stack of the caches, one row per (question, cache) (the caches stay as they are); returns [question][cache].
-    A question [1, q] is fed at the positions after the `n` context tokens, as the pipeline numbers it; questions
-    of different lengths are left-padded to the longest, their pad slots masked out of every row's attention. With
-    `questions` None (query-aware) every row starts from the prompt's own last logits `first_logits` [V].
-    `dones[j](tokens)` stops question j's rows (None: never)."""
-    if questions is None:
-        (done,) = dones
-        logits = first_logits.expand(len(caches), -1)
-        return [greedy_together(model, stack(caches), logits, [n] * len(caches), max_new, eos, [done] * len(caches))]
-    widths = [q.shape[1] for q in questions]
-    if len(set(widths)) > 1 and len({layer.keys.shape[2] for layer in caches[0].layers}) > 1:
-        # one mask serves every layer, so padding needs one kept length in all: ask question by question
-        return [answer_together(model, caches, n, [q], None, max_new, eos, [d])[0] for q, d in zip(questions, dones)]
-    width, kept, per = max(widths), caches[0].get_seq_length(), len(caches)
-    fed = torch.cat([torch.nn.functional.pad(q, (width - q.shape[1], 0)) for q in questions]).repeat_interleave(per, 0)
-    positions = torch.cat([torch.arange(n + q.shape[1] - width, n + q.shape[1])[None] for q in questions])
-    positions = positions.clamp_min(n).repeat_interleave(per, 0)  # a pad's position: any, it is masked
+    A question [1, q] is fed at the positions after the `n` context tokens, as the pipeline numbers it. Caches of
+    different lengths are right-padded to the longest and questions of different lengths left-padded, every pad slot
+    masked out of its row's attention. With `questions` None (query-aware) every row starts from the prompt's own
+    last logits `first_logits` [V]. `dones[j](tokens)` stops question j's rows (None: never)."""
+    asked = [None] if questions is None else questions
+    kept = [one_length(c) for c in caches]
+    widths = [0 if q is None else q.shape[1] for q in asked]
+    if None in kept and len(set(widths)) > 1:  # one mask serves every layer: pads need one length in each
+        return [answer_together(model, caches, n, [q], None, max_new, eos, [d])[0] for q, d in zip(asked, dones)]
+    per, width = len(caches), max(widths)
+    padded = None not in kept and len(set(kept)) * len(set(widths)) > 1
+    cache = stack([c for _ in asked for c in caches], max(kept) if padded else None)
     mask = None
-    if len(set(widths)) > 1:
-        pads = torch.arange(width)[None] < torch.tensor([width - w for w in widths])[:, None]  # [questions, width]
-        mask = torch.cat([torch.ones(len(questions), kept, dtype=torch.long), (~pads).long()], 1)
-        mask = mask.repeat_interleave(per, 0)
-    cache = stack([c for _ in questions for c in caches])
-    logits = model(input_ids=fed, past_key_values=cache, position_ids=positions, attention_mask=mask,
-                   logits_to_keep=1).logits[:, -1]  # fmt: skip
+    if padded:  # row j * per + i: cache i's own slots, then question j's tokens without its pads
+        own = torch.arange(max(kept))[None] < torch.tensor(kept)[:, None]
+        fed = torch.arange(width)[None] >= torch.tensor([width - w for w in widths])[:, None]
+        mask = torch.cat([own.repeat(len(asked), 1), fed.repeat_interleave(per, 0)], 1).long()
+    if questions is None:
+        logits = first_logits.expand(per, -1)
+    else:
+        ids = torch.cat([torch.nn.functional.pad(q, (width - q.shape[1], 0)) for q in questions])
+        positions = torch.cat([torch.arange(n + q.shape[1] - width, n + q.shape[1])[None] for q in questions])
+        positions = positions.clamp_min(n)  # a pad's position: any, it is masked
+        logits = model(input_ids=ids.repeat_interleave(per, 0), past_key_values=cache, attention_mask=mask,
+                       position_ids=positions.repeat_interleave(per, 0), logits_to_keep=1).logits[:, -1]  # fmt: skip
     starts = [n + w for w in widths for _ in caches]
     outs = greedy_together(model, cache, logits, starts, max_new, eos, [d for d in dones for _ in caches], mask)
-    return [outs[j * per : (j + 1) * per] for j in range(len(questions))]
+    return [outs[j * per : (j + 1) * per] for j in range(len(asked))]

@@ -136,13 +136,14 @@ def stack(caches: list[DynamicCache], slots: int | None = None) -> DynamicCache:
 
 
 def together(configs: list, caches: dict) -> list[list]:
-    """`configs` in groups that decode in one batch: the caches without masks (AdaKV's and KVzip's are set on the
-    model's modules, one per call) whose layers all hold one length (any: `answer_together` pads them), and those
-    whose layers differ, by their lengths; a masked cache is a group of its own."""
+    """`configs` in groups that decode in one batch: the compressed caches without masks (AdaKV's and KVzip's are set
+    on the model's modules, one per call) whose layers all hold one length (any: `answer_together` pads them to the
+    longest), and those whose layers differ, by their lengths; a masked cache is a group of its own, and so is Full
+    (padding every compressed cache to the whole prompt would cost the memory compression saves)."""
     groups: dict = {}
     for cfg in configs:
         cache, masks = caches[cfg]
-        if masks is not None:
+        if masks is not None or cfg[0] == "full":
             key = cfg
         else:
             key = (

@@ -159,7 +159,7 @@ def markdown(table: list[dict], state: dict, records: list[dict]) -> str:
                 if r["press"] == "snapkv"
             ],  # fmt: skip
             cols,
-            lambda r: f"{r['kv_bytes_mean'] / 1024:.0f}",
+            lambda r: "" if r["kv_bytes_mean"] == "" else f"{r['kv_bytes_mean'] / 1024:.0f}",  # no budget exported
             note="Measured: sum of the key/value tensors' bytes in kvpress's cache (float32). AdaKV masks evicted "
             "entries but keeps them in memory, so its bytes equal Full's. The last row is h2o-kv's budget in "
             "tokens x the model's bytes per token (layers x KV heads x head size x 2 x 4 B), not a measurement.",

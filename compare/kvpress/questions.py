@@ -83,10 +83,10 @@ def ask(pipe, cache: DynamicCache, context_length: int, questions: list[torch.Te
 @torch.no_grad()
 def ask_together(pipe, caches: list[DynamicCache], context_length: int, questions: list[torch.Tensor], max_new: int,
                  stops: list) -> list[list[str]]:  # fmt: skip
-    """`ask` for several caches of one length and no masks at once (`kv_tools.together`): every question's answers
-    are decoded in one batch, a row per (question, cache) over a stack of the context-only caches, as the pipeline's
-    loop leaves each cache between questions (`kv_tools.answer_together`, stopping as `answer` does; a shorter
-    question's pad slots masked out). Answers per cache, in question order."""
+    """`ask` for several caches without masks at once (`kv_tools.together`): every question's answers are decoded in
+    one batch, a row per (question, cache) over a stack of the context-only caches, as the pipeline's loop leaves
+    each cache between questions (`kv_tools.answer_together`, stopping as `answer` does; a shorter cache's and a
+    shorter question's pad slots masked out). Answers per cache, in question order."""
     model = pipe.model
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])

@@ -220,8 +220,8 @@ def main() -> None:
                    "exported with several questions (export_samples.py --questions 4) is compressed once and each "
                    "question answered from it, kvpress's pipeline questions=[...] (issue 50)")  # fmt: skip
     p.add_argument("--decode", choices=("together", "alone"), default="together",
-                   help="mode shared: the answers of caches without masks and of one length decoded in one batch a "
-                   "step (together), or each alone")  # fmt: skip
+                   help="mode shared: the answers of the compressed caches without masks decoded in one batch a step, "
+                   "the shorter ones padded (together), or each alone")  # fmt: skip
     p.add_argument("--validate", type=int, default=0, help="compare shared vs standard on N samples, then stop")
     p.add_argument("--summarize", action="store_true", help="only rewrite the tables from OUT/results.json")
     args = p.parse_args()

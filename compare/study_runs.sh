@@ -35,8 +35,11 @@ at_commit() {  # NAME COMMIT ARGS...: `h2o-kv ARGS` from a worktree of COMMIT, t
   local name=$1 commit=$2 tree="$ROOT/../runs/run-$2"
   shift 2
   [ -d "$tree" ] || git -C "$ROOT" worktree add -q "$tree" "$commit"
-  (cd "$tree" && H2O_KV_MALLOC=system MALLOC_MMAP_THRESHOLD_=131072 OMP_NUM_THREADS=1 detached "$name" \
-    "$ROOT/.venv/bin/python" -c "$H2O_KV" "$@")
+  local site=""  # a commit whose caches were reference cycles: the collector runs every minute (its docstring)
+  git -C "$ROOT" show "$commit:h2o_kv/cache/kvcache.py" | grep -q "def layer_class_to_replicate" \
+    || site="$ROOT/compare/cycle_collector"
+  (cd "$tree" && PYTHONPATH="$site" H2O_KV_MALLOC=system MALLOC_MMAP_THRESHOLD_=131072 OMP_NUM_THREADS=1 \
+    detached "$name" "$ROOT/.venv/bin/python" -c "$H2O_KV" "$@")
 }
 
 case "${1:-status}" in

@@ -13,6 +13,8 @@ KVzip's context-reconstruction pass is `reconstruction()` (reconstruct.py).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache
@@ -85,6 +87,17 @@ class KVCache(Cache):
     def is_compileable(self) -> bool:
         """Whether transformers' `generate` may compile the decode step, as it does StaticCache's (`Settings`)."""
         return self.settings.compileable
+
+    @property
+    def layer_class_to_replicate(self) -> Callable[[], KVLayer]:
+        """What transformers' `Cache.update` calls to add a layer: `_new_layer`, bound on each read. Stored, the bound
+        method would make every cache a reference cycle, freed only when Python's cyclic collector next runs (its
+        rare full pass: a long-running process held its caches' keys and values for hours), not when it is let go."""
+        return self._new_layer
+
+    @layer_class_to_replicate.setter
+    def layer_class_to_replicate(self, value: Any) -> None:  # `Cache.__init__` assigns it: the property answers
+        pass
 
     policy = property(lambda self: self.settings.policy)
     mode = property(lambda self: self.settings.mode)

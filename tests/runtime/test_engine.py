@@ -41,6 +41,28 @@ def test_full_policy_matches_the_unmodified_model(engine):
     assert got[: len(expected)] == expected[: len(got)] and len(got) >= 1
 
 
+@pytest.mark.parametrize("spec", [dict(policy="h2o", budget=0.2), dict(policy="kvzipwindow", budget=0.3)])
+def test_a_finished_request_frees_its_cache_at_once(spec):
+    """A server runs for days: a finished request's cache (and a KVzip pass's) is freed by reference counts as it
+    leaves, not left for Python's cyclic collector, which runs its full pass rarely in a process of few objects."""
+    import gc
+
+    from h2o_kv.cache.layer import KVLayer
+
+    engine = Engine(make_model("llama"), make_tokenizer(), max_batch=4, prefill_chunk=16, **spec)
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        for seed in range(3):
+            assert engine.generate(prompt(50, seed), max_tokens=5).token_ids
+        left = [type(o).__name__ for o in gc.get_objects() if isinstance(o, (h2o_kv.KVCache, KVLayer))]
+    finally:
+        if was:
+            gc.enable()
+    assert left == []
+
+
 def test_a_full_default_engine_serves_bounded_requests_at_the_default_budget():
     engine = Engine(make_model("llama"), make_tokenizer(), policy="full")
     assert engine.resolve_policy() == h2o_kv.Full()

@@ -3,6 +3,10 @@ as a model's attention does, the model decode loop, and the tolerances."""
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
 import torch
 
 import h2o_kv
@@ -161,3 +165,25 @@ def slots(batch, kv_heads, new_from, n, extra, dim, dtype, seed=0):
 
 
 INT8_TOLERANCE = dict(atol=2e-2, rtol=2e-2)  # logits of the tiny models are O(1); int8 steps are 1/254 of a token's max
+
+
+@contextmanager
+def no_cyclic_collector() -> Iterator[Callable[[], list[str]]]:
+    """Python's cyclic collector off and no autograd graph (a model's outputs would hold the keys they were computed
+    from), as in `generate`, the engine and the studies: what is freed inside is freed by reference counts alone.
+    Yields a function naming the caches and cache layers made inside that Python still tracks (garbage not yet
+    collected among them); those of other tests, still held, do not count."""
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    before = {id(o) for o in _caches()}
+    try:
+        with torch.no_grad():
+            yield lambda: [type(o).__name__ for o in _caches() if id(o) not in before]
+    finally:
+        if was:
+            gc.enable()
+
+
+def _caches() -> list:
+    return [o for o in gc.get_objects() if isinstance(o, (h2o_kv.KVCache, KVLayer))]

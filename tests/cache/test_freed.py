@@ -4,17 +4,15 @@ it. A cache that was a reference cycle held a long study's every prefill until s
 
 from __future__ import annotations
 
-import gc
 import weakref
-from contextlib import contextmanager
 
 import pytest
-import torch
 
 import h2o_kv
 from h2o_kv.runtime.generation import decode_step, prefill
 
 from conftest import make_tokenizer, random_ids
+from helpers import no_cyclic_collector
 
 POLICIES = {
     "full": lambda: h2o_kv.KVCache(h2o_kv.Full()),
@@ -23,21 +21,6 @@ POLICIES = {
     "h2o-int8": lambda: h2o_kv.KVCache(h2o_kv.H2O(heavy=6, recent=6), kv_dtype="int8"),
     "chunked": lambda: h2o_kv.KVCache(h2o_kv.SnapKV(budget=10), prefill_chunk=16),
 }
-
-
-@contextmanager
-def no_cyclic_collector():
-    """The cyclic collector off: what is freed here is freed by reference counts alone. No autograd graph either (a
-    model's outputs would hold the keys they were computed from), as in `generate`, the engine and the studies."""
-    was = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        if was:
-            gc.enable()
 
 
 @pytest.mark.parametrize("name", POLICIES)

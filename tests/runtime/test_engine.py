@@ -10,6 +10,7 @@ from h2o_kv.runtime.engine import Engine
 from h2o_kv.runtime.generation import Sampling
 
 from conftest import make_model, make_tokenizer, random_ids
+from helpers import no_cyclic_collector
 
 SPECS = [
     dict(policy="h2o", budget=0.2),
@@ -45,22 +46,11 @@ def test_full_policy_matches_the_unmodified_model(engine):
 def test_a_finished_request_frees_its_cache_at_once(spec):
     """A server runs for days: a finished request's cache (and a KVzip pass's) is freed by reference counts as it
     leaves, not left for Python's cyclic collector, which runs its full pass rarely in a process of few objects."""
-    import gc
-
-    from h2o_kv.cache.layer import KVLayer
-
     engine = Engine(make_model("llama"), make_tokenizer(), max_batch=4, prefill_chunk=16, **spec)
-    was = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
+    with no_cyclic_collector() as made:
         for seed in range(3):
             assert engine.generate(prompt(50, seed), max_tokens=5).token_ids
-        left = [type(o).__name__ for o in gc.get_objects() if isinstance(o, (h2o_kv.KVCache, KVLayer))]
-    finally:
-        if was:
-            gc.enable()
-    assert left == []
+        assert made() == []
 
 
 def test_a_full_default_engine_serves_bounded_requests_at_the_default_budget():

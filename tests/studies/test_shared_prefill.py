@@ -6,8 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h2o_kv.cache.kvcache import KVCache
-from h2o_kv.cache.layer import KVLayer
 from h2o_kv.cache.reconstruct import PassPeaks
 from h2o_kv.runtime.generation import forward, greedy_continue, greedy_ids
 from h2o_kv.studies.eval.decoding import new_cache
@@ -23,7 +21,7 @@ from h2o_kv.studies.eval.shared import (
 )
 
 from conftest import make_model, make_tokenizer, random_ids
-from helpers import kept_positions
+from helpers import kept_positions, no_cyclic_collector
 
 CONFIGS = [("full", None), ("h2o", 9), ("h2o", 0.2), ("snapkv", 8), ("adakv", 8), ("pyramidkv", 8), ("tova", 7),
            ("streamingllm", 6), ("local", 5)]  # fmt: skip
@@ -173,21 +171,12 @@ def test_shared_answers_leave_no_cache_behind(llama) -> None:
     """A study runs thousands of samples in one process: once a sample's answers are in, every cache it made (the
     recording, KVzip's pass, each policy's cache and its forks) is freed by reference counts alone, not left for
     Python's cyclic collector, whose rare full pass let a long run's every recorded prefill pile up (18 GB in 3 h)."""
-    import gc
-
     tokenizer = make_tokenizer()
     makers = {p: (lambda p=p: new_cache(p, 10, 41)) for p in ("kvzipwhole", "h2o", "snapkv", "h2o-int8")}
     questions = [random_ids(1, 5, seed=s)[0].tolist() for s in (8, 9)]
-    was = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
+    with no_cyclic_collector() as made:
         for seed in (10, 11):
             prompt = random_ids(1, 41, seed=seed)[0].tolist()
             answers = shared_answers(llama, prompt, makers, questions, max_new_tokens=4, tokenizer=tokenizer)
             assert all(len(outs) == 2 for outs, _ in answers.values())
-        left = [type(o).__name__ for o in gc.get_objects() if isinstance(o, (KVCache, KVLayer))]
-    finally:
-        if was:
-            gc.enable()
-    assert left == []
+        assert made() == []

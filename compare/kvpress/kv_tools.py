@@ -4,10 +4,13 @@ the two ways a press compresses a prompt (one prefill shared by every press, or 
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 
 import torch
+from kvpress.attention_patch import attention_patch
 from kvpress.presses.base_press import is_prefilling
-from transformers import DynamicCache
+from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache
+from transformers.masking_utils import sdpa_mask
 
 # ----------------------------------------------------------------------------------------- scoring
 # h2o_kv.studies.eval.ruler.score, copied (RULER's postprocess + string_match_all / string_match_part);
@@ -153,6 +156,39 @@ def together(configs: list, caches: dict) -> list[list]:
     return list(groups.values())
 
 
+def _sdpa_gqa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+              is_causal: bool | None = None, **kwargs):  # fmt: skip
+    """transformers' "sdpa" attention with the KV heads given to SDPA as they are (`enable_gqa`) also under a mask.
+    Stock takes GQA in SDPA only without a mask and otherwise copies every KV head to its query heads (`repeat_kv`):
+    half of a padded batch's decoding on Qwen2.5-Coder-1.5B went to that copy. On the CPU SDPA computes the same
+    numbers either way (bit-equal, checked at these shapes); `--validate` checks the answers."""
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    out = sdpa(query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=is_causal,
+               enable_gqa=True)  # fmt: skip
+    return out.transpose(1, 2).contiguous(), None
+
+
+# kvpress wraps every attention function registered when it is imported (its head masks); this one too
+AttentionInterface.register("sdpa_gqa", attention_patch(_sdpa_gqa))
+AttentionMaskInterface.register("sdpa_gqa", sdpa_mask)
+
+
+@contextmanager
+def gqa_decoding(model):
+    """An "sdpa" model decodes with `_sdpa_gqa` inside; any other (eager) as it is."""
+    stock = model.config._attn_implementation
+    if stock != "sdpa":
+        yield
+        return
+    model.set_attn_implementation("sdpa_gqa")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(stock)
+
+
 @torch.no_grad()
 def greedy_together(model, cache: DynamicCache, first_logits: torch.Tensor, starts: list[int], max_new: int,
                     eos: set[int], dones: list, mask: torch.Tensor | None = None) -> list[list[int]]:  # fmt: skip
@@ -209,14 +245,16 @@ def answer_together(model, caches: list[DynamicCache], n: int, questions: list[t
         own = torch.arange(max(kept))[None] < torch.tensor(kept)[:, None]
         fed = torch.arange(width)[None] >= torch.tensor([width - w for w in widths])[:, None]
         mask = torch.cat([own.repeat(len(asked), 1), fed.repeat_interleave(per, 0)], 1).long()
-    if questions is None:
-        logits = first_logits.expand(per, -1)
-    else:
-        ids = torch.cat([torch.nn.functional.pad(q, (width - q.shape[1], 0)) for q in questions])
-        positions = torch.cat([torch.arange(n + q.shape[1] - width, n + q.shape[1])[None] for q in questions])
-        positions = positions.clamp_min(n)  # a pad's position: any, it is masked
-        logits = model(input_ids=ids.repeat_interleave(per, 0), past_key_values=cache, attention_mask=mask,
-                       position_ids=positions.repeat_interleave(per, 0), logits_to_keep=1).logits[:, -1]  # fmt: skip
-    starts = [n + w for w in widths for _ in caches]
-    outs = greedy_together(model, cache, logits, starts, max_new, eos, [d for d in dones for _ in caches], mask)
+    with gqa_decoding(model):
+        if questions is None:
+            logits = first_logits.expand(per, -1)
+        else:
+            ids = torch.cat([torch.nn.functional.pad(q, (width - q.shape[1], 0)) for q in questions])
+            positions = torch.cat([torch.arange(n + q.shape[1] - width, n + q.shape[1])[None] for q in questions])
+            positions = positions.clamp_min(n)  # a pad's position: any, it is masked
+            logits = model(input_ids=ids.repeat_interleave(per, 0), past_key_values=cache, attention_mask=mask,
+                           position_ids=positions.repeat_interleave(per, 0), logits_to_keep=1)  # fmt: skip
+            logits = logits.logits[:, -1]
+        starts = [n + w for w in widths for _ in caches]
+        outs = greedy_together(model, cache, logits, starts, max_new, eos, [d for d in dones for _ in caches], mask)
     return [outs[j * per : (j + 1) * per] for j in range(len(asked))]

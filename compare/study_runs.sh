@@ -3,10 +3,11 @@
 # (one torch thread, its log and PID in $RUNS, default /tmp/runs), see how far each is, stop them. Two cores take two
 # runs; a third slows all three. Memory (RSS, the weights' pages among it): h2o-1.5b holds 7-10 GB (its 6 GB of
 # weights file-backed, 1-4 GB of its own; it grew 1 GB a sample before its caches were freed as they were let go,
-# compare/cycle_collector), kvpress-1.5b 8-10 GB; the two run together on the 24 GB machine with room for a small probe
-# (a probe's process takes `echo 1000 > /proc/self/oom_score_adj`, so the out-of-memory killer takes it first). An h2o-kv run goes on at the commit it started from (a git worktree of it beside
-# this checkout: a cell's key holds the source digest, so a run at another commit would start again), writing its
-# cells into this checkout's results/ (commit them often: they are what `--resume` reads after a fresh clone).
+# compare/cycle_collector), kvpress-1.5b 8-10 GB; the two run together on the 24 GB machine with room for a small
+# probe (a probe's process takes `echo 1000 > /proc/self/oom_score_adj`, so the out-of-memory killer takes it first).
+# An h2o-kv run goes on at the commit it started from (a git worktree of it beside this checkout: a cell's key holds
+# the source digest, so a run at another commit would start again), writing its cells into this checkout's results/
+# (commit them often: they are what `--resume` reads after a fresh clone).
 #
 #   compare/study_runs.sh start h2o-0.5b       # h2o-kv compress-once, Qwen2.5-Coder-0.5B, every policy of the size
 #   compare/study_runs.sh start h2o-1.5b       # h2o-kv compress-once, 1.5B (`make qwen-1.5b`): the query-agnostic ones

@@ -1,8 +1,8 @@
 """Python's cyclic collector every minute, for study runs pinned at a commit where a `KVCache` was a reference cycle.
 
 Before that fix (kvcache.py: `layer_class_to_replicate`), a cache held a bound method of itself, so every cache a
-study made (each recorded prefill among them, about 1 GB on Qwen2.5-Coder-1.5B at 4k) was freed only by the
-collector's full pass, which a process of few Python objects runs rarely: a compress-once run grew 1 GB a sample.
+study made (each recorded prefill among them) was freed only by the collector's full pass, which a process of few
+Python objects runs rarely: a long run's memory grew with every sample.
 A run started at such a commit keeps it (its cells' keys hold the source digest), so `compare/study_runs.sh` puts
 this folder on its PYTHONPATH instead; Python imports `sitecustomize` at start-up.
 """

@@ -159,9 +159,9 @@ def together(configs: list, caches: dict) -> list[list]:
 def _sdpa_gqa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
               is_causal: bool | None = None, **kwargs):  # fmt: skip
     """transformers' "sdpa" attention with the KV heads given to SDPA as they are (`enable_gqa`) also under a mask.
-    Stock takes GQA in SDPA only without a mask and otherwise copies every KV head to its query heads (`repeat_kv`):
-    half of a padded batch's decoding on Qwen2.5-Coder-1.5B went to that copy. On the CPU SDPA computes the same
-    numbers either way (bit-equal, checked at these shapes); `--validate` checks the answers."""
+    Stock takes GQA in SDPA only without a mask and otherwise copies every KV head to its query heads (`repeat_kv`),
+    which dominated a padded batch's decoding (docs/accuracy.md). SDPA computes the same numbers either way on the
+    CPU; `--validate` checks the answers."""
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
     sdpa = torch.nn.functional.scaled_dot_product_attention

@@ -170,7 +170,7 @@ def test_int8_storage_is_refused(llama) -> None:
 def test_shared_answers_leave_no_cache_behind(llama) -> None:
     """A study runs thousands of samples in one process: once a sample's answers are in, every cache it made (the
     recording, KVzip's pass, each policy's cache and its forks) is freed by reference counts alone, not left for
-    Python's cyclic collector, whose rare full pass let a long run's every recorded prefill pile up (18 GB in 3 h)."""
+    Python's cyclic collector, whose rare full pass let a long run's every recorded prefill pile up."""
     tokenizer = make_tokenizer()
     makers = {p: (lambda p=p: new_cache(p, 10, 41)) for p in ("kvzipwhole", "h2o", "snapkv", "h2o-int8")}
     questions = [random_ids(1, 5, seed=s)[0].tolist() for s in (8, 9)]

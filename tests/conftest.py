@@ -16,8 +16,15 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT") and "OMP_NUM_THREADS" not in os.e
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers as tf  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 import h2o_kv  # noqa: E402
+
+# Hypothesis draws the same examples on every run (`make test`, CI: a test that passes once passes again) and keeps
+# no database of failures across runs; `HYPOTHESIS_PROFILE=explore make test` draws new ones each run, to hunt.
+settings.register_profile("fixed", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fixed"))
 
 VOCAB = 128
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)

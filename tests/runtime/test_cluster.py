@@ -179,6 +179,17 @@ def cluster(tmp_path_factory, tokenizer):
         yield url
 
 
+def test_this_file_runs_on_one_worker(request):
+    """`make test` (--dist loadgroup) sends the group to one worker by naming each test `<id>@cluster`; pytest 9.2
+    drops that rename (pytest-xdist#1386) and spreads the tests over the workers without a word, where each worker
+    starts its own cluster: two private Rays at once on two cores."""
+    if not getattr(request.config.option, "loadgroup", False):
+        pytest.skip("one worker or none: not run under --dist loadgroup")
+    assert request.node.nodeid.endswith("@cluster"), (
+        f"pytest {pytest.__version__} loses --dist loadgroup's groups: install the pytest the dev extra pins"
+    )
+
+
 def client(url: str, timeout: float = 60) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=timeout, max_retries=0)
 

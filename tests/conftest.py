@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 
 # Triton reads this when it is first imported: without a GPU its kernels run interpreted on CPU tensors
@@ -125,3 +126,18 @@ def model(tokenizer):
     from serve_helpers import tiny_model
 
     return tiny_model(tokenizer)
+
+
+@pytest.fixture(scope="session")
+def _bench_once() -> tuple[torch.nn.Module, list[dict]]:
+    from bench_helpers import tiny_run
+
+    return tiny_run()
+
+
+@pytest.fixture
+def bench_run(_bench_once) -> tuple[torch.nn.Module, list[dict]]:
+    """The bench on a tiny random Llama (bench_helpers.tiny_run), run once per process: its model and a copy of its
+    rows for each test. The bench's test files are one xdist group, so `make test` runs it once."""
+    model, rows = _bench_once
+    return model, copy.deepcopy(rows)

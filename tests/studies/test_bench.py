@@ -19,14 +19,10 @@ from bench_helpers import (
     CharTokenizer,
     one_thread,
     sweep,
-    tiny_run,
 )
 from conftest import VOCAB, make_model, random_ids
 
-
-@pytest.fixture(scope="module")
-def run() -> tuple[torch.nn.Module, list[dict]]:
-    return tiny_run()
+pytestmark = pytest.mark.xdist_group("bench")  # one process runs the bench once for both files (conftest)
 
 
 def kv_slot_bytes(model: torch.nn.Module) -> int:
@@ -36,15 +32,15 @@ def kv_slot_bytes(model: torch.nn.Module) -> int:
     return cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2 * 4
 
 
-def test_a_row_for_every_policy_and_size(run):
-    _, rows = run
+def test_a_row_for_every_policy_and_size(bench_run):
+    _, rows = bench_run
     got = {(r["policy"], r["prompt_len"], r["batch"]) for r in sweep(rows)}
     assert got == {(p, n, b) for p in bench.POLICIES for n in PROMPT_LENS for b in BATCHES}
     assert all(len(r["step_ms"]) == GEN for r in sweep(rows))
 
 
-def test_kv_bytes_match_the_cache_tensors(run):
-    model, rows = run
+def test_kv_bytes_match_the_cache_tensors(bench_run):
+    model, rows = bench_run
     cfg = model.config
     per_token = kv_slot_bytes(model)
     for r in sweep(rows):
@@ -69,8 +65,8 @@ def test_kv_bytes_helper_sums_the_layers_tensors():
         assert bench.kv_bytes(cache)[0] == sum(t.numel() * t.element_size() for t in tensors)
 
 
-def test_kv_ratio_is_the_budget_share(run):
-    _, rows = run
+def test_kv_ratio_is_the_budget_share(bench_run):
+    _, rows = bench_run
     for r in sweep(rows):
         if r["policy"] in bench.BASELINES:
             assert r["kv_bytes_ratio"] == 1.0
@@ -79,8 +75,8 @@ def test_kv_ratio_is_the_budget_share(run):
         assert r["kv_bytes_ratio"] == pytest.approx(BUDGET, rel=0.1)
 
 
-def test_token_counts(run):
-    _, rows = run
+def test_token_counts(bench_run):
+    _, rows = bench_run
     for r in sweep(rows):
         assert r["seen_tokens"] == r["prompt_len"] + GEN
         if r["policy"] in bench.BASELINES:
@@ -90,8 +86,8 @@ def test_token_counts(run):
             assert r["kept_tokens"] <= r["budget_tokens"]
 
 
-def test_same_memory_batch_fits_the_cap(run):
-    _, rows = run
+def test_same_memory_batch_fits_the_cap(bench_run):
+    _, rows = bench_run
     same = {r["policy"]: r for r in rows if r["section"] == "same_memory"}
     assert set(same) == {*bench.BASELINES, "h2o"}
     for name in bench.BASELINES:  # the cap is the stock caches' KV at the largest batch
@@ -105,8 +101,8 @@ def test_same_memory_batch_fits_the_cap(run):
         assert r["kv_bytes"] == r["batch"] * r["kv_bytes_per_seq"]
 
 
-def test_bad_inputs_are_rejected_before_any_work(run):
-    model, _ = run
+def test_bad_inputs_are_rejected_before_any_work(bench_run):
+    model, _ = bench_run
     with pytest.raises(ValueError, match="unknown policy"):
         bench.run_bench(model, CharTokenizer(), policies=["nope"], prompt_lens=[40], text="x")
     with pytest.raises(ValueError, match="budget"):
@@ -115,8 +111,8 @@ def test_bad_inputs_are_rejected_before_any_work(run):
         bench.run_bench(model, CharTokenizer(), threads=[-1], prompt_lens=[40], text="x")
 
 
-def test_chunked_prefill_keeps_the_same_accounting(run):
-    model, rows = run
+def test_chunked_prefill_keeps_the_same_accounting(bench_run):
+    model, rows = bench_run
     [chunked] = bench.run_bench(
         model, CharTokenizer(), policies=["h2o"], prompt_lens=[80], gen_len=GEN, batch_sizes=[2],
         prefill_chunk=16, progress=False, text="All the world's a stage. " * 20,
@@ -160,8 +156,8 @@ def test_the_floor_is_read_in_turn_with_the_timed_steps():
     assert reads.seconds == [] and len(rows) == 2
 
 
-def test_ratios_against_both_stock_baselines(run):
-    _, rows = run
+def test_ratios_against_both_stock_baselines(bench_run):
+    _, rows = bench_run
     at = {(r["policy"], r["prompt_len"], r["batch"]): r for r in sweep(rows)}
     for r in sweep(rows):
         for label, baseline in (("dynamic", bench.DYNAMIC), ("static", bench.STATIC)):
@@ -241,8 +237,8 @@ def test_interleaved_steps_equal_separate_runs():
     assert all(len(seconds[name]) == 6 and min(seconds[name]) > 0 for name in names)
 
 
-def test_interleaved_bench_has_the_same_accounting(run):
-    model, rows = run
+def test_interleaved_bench_has_the_same_accounting(bench_run):
+    model, rows = bench_run
     with one_thread():
         together = bench.run_bench(model, CharTokenizer(), budget=BUDGET, prompt_lens=[max(PROMPT_LENS)], gen_len=GEN,
                                    batch_sizes=[max(BATCHES)], threads=[1], progress=False, interleave=True,

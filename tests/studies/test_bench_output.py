@@ -13,18 +13,15 @@ import torch
 
 from h2o_kv.studies import bench
 
-from bench_helpers import GEN, CharTokenizer, sweep, tiny_run
+from bench_helpers import GEN, CharTokenizer, sweep
 from conftest import make_model
 
-
-@pytest.fixture(scope="module")
-def run() -> tuple[torch.nn.Module, list[dict]]:
-    return tiny_run()
+pytestmark = pytest.mark.xdist_group("bench")  # one process runs the bench once for both files (conftest)
 
 
-def test_bars_are_reported(run):
+def test_bars_are_reported(bench_run):
     """Read at the shape they are defined at (here the run's own largest), every bar passes or fails."""
-    _, rows = run
+    _, rows = bench_run
     first = sweep(rows)[0]["threads"]  # the bars read the first thread count's largest prompt and batch
     measured = [r for r in sweep(rows) if r["threads"] == first]
     size = max(r["prompt_len"] for r in measured), max(r["batch"] for r in measured)
@@ -41,10 +38,10 @@ def test_bars_are_reported(run):
     assert h2o["bandwidth_best_gb_s"] >= h2o["bandwidth_gb_s"] and "against the best read" in floor
 
 
-def test_bars_defined_at_another_shape_skip_and_say_why(run):
+def test_bars_defined_at_another_shape_skip_and_say_why(bench_run):
     """The speed bars are defined at 4096 x 4: a smaller run SKIPs them, naming both shapes, and still checks the
     KV accounting, which holds at any shape."""
-    _, rows = run
+    _, rows = bench_run
     bars = bench.check_bars(rows)
     kv = [b for b in bars if b["bar"].startswith("KV bytes")]
     assert len(kv) == 1 and kv[0]["passed"] is True
@@ -59,8 +56,8 @@ def test_bars_defined_at_another_shape_skip_and_say_why(run):
     assert len(lines) == 2 and lines[1].startswith("PASS  KV bytes")
 
 
-def test_write_results(run, tmp_path):
-    _, rows = run
+def test_write_results(bench_run, tmp_path):
+    _, rows = bench_run
     paths = bench.write_results(rows, tmp_path)
     for name in ("plot_decode", "plot_steps", "plot_kv", "plot_same_memory"):
         assert paths[name].suffix == ".png" and paths[name].stat().st_size > 0

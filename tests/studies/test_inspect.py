@@ -305,6 +305,7 @@ for(const box of document.querySelectorAll('.text')){
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("needle-page")  # one process draws the page for both
 def test_the_needle_page_shows_snapkv_keeping_the_needle_and_h2o_not(needle_page, tmp_path) -> None:
     page, inspection = needle_page
     assert 3900 < inspection.prompt_tokens <= 4096
@@ -340,6 +341,7 @@ def test_the_needle_page_shows_snapkv_keeping_the_needle_and_h2o_not(needle_page
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("needle-page")  # one process draws the page for both
 def test_the_needle_page_is_self_contained(needle_page) -> None:
     page, inspection = needle_page
     text = page.read_text(encoding="utf-8")

@@ -32,7 +32,9 @@ class Call:
     qpos are -1). `new_from`: the n new tokens sit in slots new_from .. new_from + n - 1 in order, so query i sees
     no slot after new_from + i (causal blocks are skipped). `want_scores`: the attention each slot received, summed
     over the queries from index `score_from` on (SnapKV's observation window) and the group's heads; `want_last`:
-    the last query's attention averaged over the group's heads."""
+    the last query's attention averaged over the group's heads. `want_out` False: the caller drops the output (a
+    replay of recorded calls), so a route that computes it apart from the scores (`prompt.attend_prompt`) skips it
+    and returns None; the others return it anyway."""
 
     scaling: float
     window: int | None = None
@@ -42,6 +44,7 @@ class Call:
     want_scores: bool = False
     want_last: bool = False
     score_from: int = 0
+    want_out: bool = True
 
 
 class Slots(NamedTuple):

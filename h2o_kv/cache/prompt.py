@@ -15,13 +15,14 @@ from h2o_kv.cache.attend import Call, Slots, blocked, stored_as, torch_one
 
 
 def attend_prompt(q: torch.Tensor, kv: Slots, qpos: torch.Tensor, call: Call):
-    """The output from SDPA; the queries that score (from `score_from` on, or the last one for `want_last`) then
-    take a small call of their own over the same slots: `torch_one` for one query that sees every kept token, the
-    blocked route otherwise. Slots after the new tokens (storage reserved ahead) get no attention."""
+    """The output from SDPA (None without `want_out`); the queries that score (from `score_from` on, or the last one
+    for `want_last`) then take a small call of their own over the same slots: `torch_one` for one query that sees
+    every kept token, the blocked route otherwise. Slots after the new tokens (storage reserved ahead) get no
+    attention."""
     keys, values = stored_as(kv, q.dtype)
     n, width = q.shape[2], call.new_from + q.shape[2]
     keys, values = keys[:, :, :width], values[:, :, :width]
-    out = sdpa(q, keys, values, call)
+    out = sdpa(q, keys, values, call).transpose(1, 2).contiguous() if call.want_out else None
     scores = last = None
     if call.want_scores or call.want_last:
         start = call.score_from if call.want_scores else n - 1
@@ -34,7 +35,7 @@ def attend_prompt(q: torch.Tensor, kv: Slots, qpos: torch.Tensor, call: Call):
         if kv.pos.shape[-1] > width:
             scores = None if scores is None else torch.nn.functional.pad(scores, (0, kv.pos.shape[-1] - width))
             last = None if last is None else torch.nn.functional.pad(last, (0, kv.pos.shape[-1] - width))
-    return out.transpose(1, 2).contiguous(), scores, last
+    return out, scores, last
 
 
 def sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, call: Call) -> torch.Tensor:

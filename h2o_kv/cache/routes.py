@@ -36,15 +36,17 @@ __all__ = ["Call", "Slots", "attend", "choose", "steady_route", "uses_native"]
 
 def attend(q: torch.Tensor, kv: Slots, qpos: torch.Tensor, call: Call, *, native_kernels: bool = False):
     """Attention of new queries q [B, Hq, n, D] at positions qpos [B, n] (-1 = padding) over the slots `kv`, per KV
-    head: the output [B, n, Hq, D] in q's dtype, and as `call` asks the attention each slot received [B, H, S]
-    (float32) and the last query's. `native_kernels`: the C++ kernels may run (`uses_native`). bfloat16/float16 on a
-    CPU computes in float32 (`compute_dtype`). In a head-pooled row (one storage row shared by the KV heads,
-    pooled.py) a query sees only its own head's slots, so the scores summed over the "group" (every query head)
-    count the slot's own group."""
+    head: the output [B, n, Hq, D] in q's dtype (None where `Call.want_out` lets a route skip it), and as `call` asks
+    the attention each slot received [B, H, S] (float32) and the last query's. `native_kernels`: the C++ kernels may
+    run (`uses_native`). bfloat16/float16 on a CPU computes in float32 (`compute_dtype`). In a head-pooled row (one
+    storage row shared by the KV heads, pooled.py) a query sees only its own head's slots, so the scores summed over
+    the "group" (every query head) count the slot's own group."""
     x = q.to(compute_dtype(q.dtype, q.device))
     route = choose(x, kv, call, native_kernels)
     out, scores, last = route(x, kv, qpos, call)
-    return out if route is native_pooled_one else out.to(q.dtype), scores, last  # that kernel's output: float32
+    if out is not None and route is not native_pooled_one:  # that kernel's output stays float32
+        out = out.to(q.dtype)
+    return out, scores, last
 
 
 def choose(q: torch.Tensor, kv: Slots, call: Call, native_kernels: bool):

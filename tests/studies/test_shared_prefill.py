@@ -52,6 +52,25 @@ def test_replayed_cache_equals_a_direct_prefill(llama, policy, budget) -> None:
         assert replayed.kept_tokens < 40
 
 
+def test_a_replay_computes_no_attention_output(llama, monkeypatch) -> None:
+    """The outputs of a replay's calls are the recording's: the window and last-query scorers (SnapKV, PyramidKV,
+    TOVA) get their scores without the prompt route's SDPA pass over every query (`Call.want_out`), and leave the
+    cache a direct prefill leaves (test above)."""
+    from h2o_kv.cache import prompt
+
+    calls_made = []
+    real = prompt.sdpa
+    monkeypatch.setattr(prompt, "sdpa", lambda *a, **k: calls_made.append(1) or real(*a, **k))
+    ids = random_ids(1, 40, seed=3)
+    _, calls = record_prefill(llama, ids[0].tolist())
+    recorded = len(calls_made)  # the recording's own prefill: its outputs are needed
+    assert recorded == llama.config.num_hidden_layers
+    for policy in ("snapkv", "pyramidkv", "tova"):
+        replayed = replay(new_cache(policy, 8, 40), calls)
+        assert replayed.kept_tokens < 40 * llama.config.num_hidden_layers
+    assert len(calls_made) == recorded
+
+
 @pytest.mark.parametrize(
     ("policy", "budgets"),
     [("kvzip", (40, 12, 0.25)), ("kvzipwhole", (12, 5)), ("kvzipwindow", (12, 5)), ("kvziplayerwindow", (12, 0.25))],

@@ -32,6 +32,7 @@ storage (its attention runs on rounded keys), so any policy `policies.build` kno
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -145,6 +146,7 @@ class SharedAttention:
     def __call__(self, q: torch.Tensor, kv: Slots, qpos: torch.Tensor, call: Call, *, native_kernels: bool = False):
         if not (call.want_scores or call.want_last):
             return None, None, None
+        call = replace(call, want_out=False)  # the outputs are the recording's: a route need not compute them
         if call.new_from != 0:  # a later call: the storage holds more than this recording's keys
             self.computed += 1
             return None, *attend(q, kv, qpos, call, native_kernels=native_kernels)[1:]

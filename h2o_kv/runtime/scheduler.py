@@ -200,7 +200,7 @@ class Scheduler:
         batch = self.batches.get(key)
         if batch is None:
             rows = self.max_batch if self.count.in_place else None
-            self.batches[key] = Batch(request, cache, device, rows)
+            self.batches[key] = Batch(request, cache, device, rows, coming=self._coming(key))
         else:
             batch.join(request, cache)
 
@@ -210,8 +210,13 @@ class Scheduler:
         if len(rows) == len(batch):
             del self.batches[key]
         else:
-            batch.leave(rows)
+            batch.leave(rows, coming=self._coming(key))
         self.trim()
+
+    def _coming(self, key: Hashable) -> int:
+        """Prompts going in under the policy of batch `key`: they join it once through (`Batch`'s buckets count them;
+        a batch of its own, keyed (policy, request id), has none)."""
+        return sum(1 for request, _ in self.prefill if request.policy == key)
 
     def running(self) -> int:
         return len(self.prefill) + sum(len(batch) for batch in self.batches.values())

@@ -54,10 +54,10 @@ def test_a_batch_is_recorded_once_per_bucket_and_replayed_across_joins_and_leave
     engine.run()
     assert [h.result().token_ids for h in handles] == solo
     assert steps.captured == len(graphs.records) >= 1
-    if policy == "kvzipwindow":  # each prompt's pass takes steps of its own, so this batch falls to one row and grows
-        assert steps.replayed >= 2 * steps.captured  # back (new storage each time): a bucket is recorded again
-        return
-    assert len(set(graphs.records)) == len(graphs.records)  # never twice for one batch and bucket
+    # never twice for one batch and bucket: kvzipwindow's passes take steps of their own, so its batch used to fall
+    # to one row and grow back while the next prompts were in their passes (4 recordings, 8 replays); prompts of the
+    # policy going in now count as rows in use (`Batch`'s `coming`)
+    assert len(set(graphs.records)) == len(graphs.records)
     assert steps.replayed >= 5 * steps.captured
 
 
@@ -136,9 +136,8 @@ def test_on_a_gpu_the_engine_replays_cuda_graphs_with_the_eager_tokens(policy):
         runs.append([h.result().token_ids for h in handles])
     assert runs[1] == runs[0]
     assert engine.rows_in_place and isinstance(engine._steps, CapturedSteps)
-    # kvzipwindow's batch falls to one row and grows back as each prompt's pass ends (new storage each time, as in
-    # the stand-in test above): its bucket is recorded again, so it replays about three times a recording (17 / 6)
-    assert engine._steps.captured >= 1
-    assert engine._steps.replayed >= (2 if policy == "kvzipwindow" else 3) * engine._steps.captured
+    # kvzipwindow got 6 recordings and 17 replays on an H200 at 391a533 (its batch fell to one row and grew back while
+    # the next prompts were in their passes); the CPU stand-in of this workload gave the same 6 / 17 then, 2 / 26 now
+    assert engine._steps.captured >= 1 and engine._steps.replayed >= 3 * engine._steps.captured
     gc.collect()
     assert len(engine._steps.recorded) == 0  # a recording goes with its batch's cache

@@ -4,13 +4,14 @@
 #    captured step for the same ragged batch of 8 (SmolLM2-135M's shapes);
 # 2. the GPU study's 8B cells at 32k x 8 (h2o_kv/studies/bench/gpu.py): StaticCache eager, H2O 20 % and the whole
 #    context (a 100 % budget: the full cache's bytes) on the same kernel, each replayed from a CUDA graph; prefill
-#    at 32k: SDPA, H2O in one call and in the engine's 4,096-token calls (where the serving run's prefill went);
+#    at 32k: SDPA, H2O in one call and in the engine's 4,096-token calls; H2O against Full() both in those calls,
+#    with H2O's kernels (`prefill-chunked`, gpu_prefill.py: whether bounded attention makes H2O's prefill cheaper);
 # 3. compare/gpu/serving_run.py: 32 requests of 4k-32k tokens through the engine, H2O 20 % against Full().
 # Uses .whl/*.whl (the transformers wheel, carried beside the tree). Writes to $OUT: machine.txt, issue51.jsonl,
 # gpu.jsonl, tables.md, serving.jsonl, run logs. Timeouts (seconds): STEP_TIMEOUT, STUDY_TIMEOUT, SERVE_TIMEOUT.
 source compare/gpu/prepare.sh  # $OUT, the carried wheels, $OUT/machine.txt
 timeout ${STEP_TIMEOUT:-70} python3 compare/gpu/check_issue51.py --out "$OUT" --cells step,engine-step 2>"$OUT/check.log" | cut -c1-400
 timeout ${STUDY_TIMEOUT:-170} python3 -m h2o_kv.studies.bench.gpu --shapes llama3-8b --out "$OUT" \
-  --only ${CELLS_8B:-static,h2o-captured,full-captured,prefill} 2>&1 | tee "$OUT/study.log" | grep -v '^{' | tail -3
+  --only ${CELLS_8B:-static,h2o-captured,full-captured,prefill,prefill-chunked} 2>&1 | tee "$OUT/study.log" | grep -v '^{' | tail -3
 python3 -m h2o_kv.studies.bench.gpu --report --out "$OUT" | tail -8
 timeout ${SERVE_TIMEOUT:-270} python3 compare/gpu/serving_run.py --out "$OUT" 2>"$OUT/serving.log" | cut -c1-600

@@ -33,6 +33,7 @@ import torch
 
 from h2o_kv.studies.bench.gpu_checks import check_captured, generate_compiled
 from h2o_kv.studies.bench.gpu_models import BUDGET, SHAPES, clock, copy_rate, h2o_cache, make_model, sync
+from h2o_kv.studies.bench.gpu_prefill import prefill_chunked
 from h2o_kv.studies.report import provenance
 
 RUNS = {  # shape: (context, batch, decode steps)
@@ -41,7 +42,7 @@ RUNS = {  # shape: (context, batch, decode steps)
 }
 DRY = {"tiny": (160, 2, 4)}
 SKIP = {
-    "llama3-8b": {"h2o-compiled", "generate-compiled", "check-captured", "profile-step"}
+    "llama3-8b": {"h2o-compiled", "generate-compiled", "check-captured", "profile-step", "prefill-chunked"}
 }  # compiling 8B twice more: minutes
 
 
@@ -264,6 +265,7 @@ def study(shape: str, context: int, batch: int, steps: int, device, dtype, log, 
         ("generate-compiled", lambda: generate_compiled(model, device)),
         ("prefill", lambda: run_prefill(model, context, device, repeats=2)),
         ("profile-step", lambda: profile_step(model, context, batch, device)),
+        ("prefill-chunked", lambda: prefill_chunked(model, context, device)),
     ]  # fmt: skip
     done: dict[str, dict] = {}
     for name, cell in cells:

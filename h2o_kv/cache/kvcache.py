@@ -185,6 +185,16 @@ class KVCache(Cache):
         for layer in self.layers:
             layer.reserve_rows(rows)
 
+    def reserve_width(self, slots: int) -> None:
+        """Each layer's storage at least `slots` slots per row and KV head (in blocks: `Rows.reserve_width`): the
+        engine reserves the widest row its batch will hold (`SlotCount.slots`), so that a wider row joining later
+        does not copy the storage (and on a GPU, record its step again). Not for layers sized apart (`layers_alike`)."""
+        if not self.rows_in_place:
+            raise ValueError(f"free rows need a drop-mode cache with a bounded policy, not {self.policy.describe()}")
+        if self.layers_alike():
+            for layer in self.layers:
+                layer.reserve_width(slots)
+
     def release_rows(self, rows: list[int]) -> None:
         """Let these sequences go and keep their rows, free, in place: every other row keeps its row and storage
         (`free_rows` instead packs the survivors). A free row's decode step keeps at most one token per KV head."""

@@ -123,10 +123,20 @@ class Rows:
         self._rows_changed()
         self._refresh_bounds()
 
+    def reserve_width(self, slots: int) -> None:
+        """Grow a bounded layer's storage to at least `slots` slots per row, rounded up to a multiple of `ROW_BLOCK`
+        (the width a join in place grows it to, `joined_width`), so that rows joining later need no growth. A
+        head-pooled layer's (pooled.py) row is not counted in these slots: left as it is."""
+        if self.max_capacity is not None and self.head is None and slots > self.keys.shape[2]:
+            self._reserve(-(-slots // ROW_BLOCK) * ROW_BLOCK)
+
     def write_row(self, row: int, other: Rows) -> None:
         """Write the one sequence of `other` (its prompt seen) into the free row `row`, in place: its slots, positions,
         scores and budget. No other row moves, unless the storage has fewer slots than the new row can fill (its
-        capacity and spare): then every row grows to that, rounded up to a multiple of `ROW_BLOCK`."""
+        capacity and spare): then every row grows to that, rounded up to a multiple of `ROW_BLOCK`. A steady layer
+        that did not grow stays steady (as `clear_rows` leaves it): the other rows keep the slots their last step
+        freed, and the new row's next token goes into its first empty slots, where the general path would put it;
+        so the step after a join is a replay too, not an eager step of the whole batch."""
         self._check_joins(other)
         if other.pos.shape[0] != 1:
             raise ValueError(f"a free row takes one sequence, got {other.pos.shape[0]}")
@@ -142,7 +152,12 @@ class Rows:
             getattr(self, name)[row] = getattr(other, name)[0]
         self.seen = max(self.seen, other.seen)
         self.used = self.keys.shape[2]
-        self._storage_changed()  # the next step finds its slots again: the new row's first empty one
+        if self.vacant is None or self.head is not None:  # grown, or not steady: the next step finds its slots
+            self._storage_changed()
+        else:
+            empty_first = torch.sort((self.pos[row] >= 0).to(torch.uint8), dim=-1, stable=True).indices
+            self.vacant[row] = empty_first[:, : self.vacant.shape[-1]]
+            self.packed = False
         self._refresh_memo()
         self._refresh_bounds()
 

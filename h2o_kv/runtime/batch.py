@@ -13,8 +13,9 @@ other row's storage is copied (`KVCache.write_rows(into=)`, `release_rows`), and
 the bucket (what a captured step replays). Free rows step along, fed token 0 at position 0; their logits are never
 read. The bucket grows when no row is free and shrinks, packing the rows, once a quarter of it is in use. Prompts of
 the same policy still going in (`coming`) count as rows in use: a batch started while they prefill takes their
-bucket at once, and one they will join does not shrink below it, so a new bucket (new storage, and on a GPU a new
-recording of its step) is not made twice while the batch is refilling (admission already counts them so:
+bucket at once, and one they will join does not shrink below it; and the storage is made as wide as the widest of
+them needs (`width`) before a row joins. So a new bucket or a wider storage (a copy, and on a GPU a new recording
+of the step) is not made again and again while the batch fills (admission already counts these rows and widths:
 `Scheduler.projected`).
 """
 
@@ -33,13 +34,15 @@ class Batch:
     in buckets of rows up to this many (None: rows packed, the cache as wide as the requests)."""
 
     def __init__(self, request: Request, cache: KVCache, device: torch.device, max_rows: int | None = None,
-                 coming: int = 0) -> None:  # fmt: skip
+                 coming: int = 0, width: int = 0) -> None:  # fmt: skip
         self.cache, self.requests, self.rows = cache, [request], [0]
         self.max_rows = max_rows if max_rows is not None and cache.rows_in_place else None
         self.tokens = torch.tensor([request.token_ids[-1]], device=device)
         self.positions = torch.tensor([request.position], device=device)
-        if self.in_place and bucket(1 + coming, self.max_rows) > 1:  # room for the prompts about to join
-            self._resize(bucket(1 + coming, self.max_rows))
+        if self.in_place:
+            cache.reserve_width(width)
+            if bucket(1 + coming, self.max_rows) > 1:  # room for the prompts about to join
+                self._resize(bucket(1 + coming, self.max_rows))
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -48,8 +51,10 @@ class Batch:
     def in_place(self) -> bool:
         return self.max_rows is not None
 
-    def join(self, request: Request, cache: KVCache) -> None:
-        """Take in a request whose prompt has been through `cache` (its one row) and whose first token is sampled."""
+    def join(self, request: Request, cache: KVCache, width: int = 0) -> None:
+        """Take in a request whose prompt has been through `cache` (its one row) and whose first token is sampled.
+        In place, the storage is first made `width` slots wide (the widest row of the batch and its coming prompts:
+        `KVCache.reserve_width`), where it is narrower."""
         token, position = request.token_ids[-1], request.position
         self.requests.append(request)
         if not self.in_place:
@@ -58,6 +63,7 @@ class Batch:
             self.tokens = torch.cat([self.tokens, self.tokens.new_tensor([token])])
             self.positions = torch.cat([self.positions, self.positions.new_tensor([position])])
             return
+        self.cache.reserve_width(width)
         row = self._free_row()
         self.cache.write_rows(cache, into=row)
         self.rows.append(row)
@@ -98,9 +104,10 @@ class Batch:
             self.tokens[self.rows] = self.tokens.new_tensor([t or 0 for t in tokens])
         self.positions.add_(1)
 
-    def leave(self, gone: list[int], coming: int = 0) -> None:
+    def leave(self, gone: list[int], coming: int = 0, width: int = 0) -> None:
         """These requests (indices into `requests`) leave: their rows are freed; the others keep their order. In place,
-        the bucket shrinks once a quarter of it is in use, counting the `coming` prompts that will join."""
+        the bucket shrinks once a quarter of it is in use, counting the `coming` prompts that will join, and packing
+        the rows narrows the storage to what they hold: it is widened again to the `width` those prompts need."""
         rows = [self.rows[i] for i in gone]
         keep = [i for i in range(len(self.requests)) if i not in set(gone)]
         self.requests = [self.requests[i] for i in keep]
@@ -119,6 +126,7 @@ class Batch:
             self.tokens, self.positions = self.tokens[index], self.positions[index]
             self.rows = list(range(len(self.rows)))
             self._resize(bucket(len(self.rows) + coming, self.max_rows))
+            self.cache.reserve_width(width)
 
     def record(self, i: int) -> None:
         """What request `i` held at its end, in its `cache_stats`: kept and seen tokens, and its bytes."""

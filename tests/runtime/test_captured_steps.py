@@ -61,6 +61,39 @@ def test_a_batch_is_recorded_once_per_bucket_and_replayed_across_joins_and_leave
     assert steps.replayed >= 5 * steps.captured
 
 
+@pytest.mark.filterwarnings("ignore:.* too few for coherent text")
+def test_a_batch_filling_with_mixed_budgets_replays_through_its_joins(monkeypatch):
+    """A served burst (compare/gpu/serving_run.py's shape, small): twelve prompts of 20-130 tokens submitted at once,
+    each its own 30 % capacity, joining one batch as their prompts finish. The batch takes the bucket and the width
+    its coming prompts need when it starts (no storage grown later, so one recording), and a join keeps the step
+    steady (the other rows' freed slots kept), so the decode calls that are not replays are the first bucket's
+    few (not steady, warm-up, recording), not one eager step of the whole batch per join; tokens equal solo runs."""
+    monkeypatch.setattr(native, "resolve", lambda compile_kernel: False)
+    model, tokenizer = make_model("llama"), make_tokenizer()
+    requests = [(prompt(20 + 10 * i, seed=i), 12) for i in range(12)]
+    eager = Engine(model, tokenizer, max_batch=16, prefill_chunk=16, policy="h2o", budget=0.3)
+    solo = [eager.generate(ids, max_tokens=n, ignore_eos=True).token_ids for ids, n in requests]
+    engine = Engine(model, tokenizer, max_batch=16, prefill_chunk=16, policy="h2o", budget=0.3, rows_in_place=True)
+    graphs = Rerun()
+    engine._steps = steps = CapturedSteps(model, eos=engine.eos, prefill_chunk=16, held=engine._note_peaks,
+                                          graphs=graphs)  # fmt: skip
+    calls, decode_call = [], CapturedSteps._decode_call
+
+    def counted(self, cache, tokens, positions):
+        before = self.replayed
+        out = decode_call(self, cache, tokens, positions)
+        calls.append(self.replayed > before)
+        return out
+
+    monkeypatch.setattr(CapturedSteps, "_decode_call", counted)
+    handles = [engine.submit(ids, max_tokens=n, ignore_eos=True) for ids, n in requests]
+    engine.run()
+    assert [h.result().token_ids for h in handles] == solo
+    assert len(graphs.records) == len(set(graphs.records)) == steps.captured  # never twice for a bucket
+    # fewer eager calls than joins (24 of 71 before: one whole-batch eager step per join, more per widening)
+    assert len(calls) >= 40 and calls.count(False) < len(requests)
+
+
 class GraphLike(Rerun):
     """As a CUDA graph's replay, which runs no Python: the step runs again into the output, and the cache's host-side
     `version` is left where it was."""

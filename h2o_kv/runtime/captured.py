@@ -8,7 +8,7 @@ every step: a request joins by writing a free row and leaves by freeing its row,
 thousands of kernel launches per step become one; the key is computed again only after something changed the cache
 on the host (its `version`: an eager call, a row written or freed), not before every replay. When the key changes
 (the bucket grew or shrank, a layer's storage grew) it records again, after `warmup` eager steady steps (they
-compile the Triton kernels for the new shapes); a step that is not steady (the one after a join) runs eagerly, as
+compile the Triton kernels for the new shapes); a step that is not steady (the first of a new bucket) runs eagerly, as
 everywhere on a CPU.
 """
 

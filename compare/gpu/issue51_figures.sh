@@ -6,7 +6,8 @@
 #    context (a 100 % budget: the full cache's bytes) on the same kernel, each replayed from a CUDA graph; prefill
 #    at 32k: SDPA, H2O in one call and in the engine's 4,096-token calls; H2O against Full() both in those calls,
 #    with H2O's kernels (`prefill-chunked`, gpu_prefill.py: whether bounded attention makes H2O's prefill cheaper);
-# 3. compare/gpu/serving_run.py: 32 requests of 4k-32k tokens through the engine, H2O 20 % against Full().
+# 3. compare/gpu/serving_run.py: 32 requests of 4k-32k tokens through the engine, H2O 20 % against Full()
+#    (SERVE_POLICIES=h2o,full,h2o@1.0 adds the whole prompt kept on the bounded, captured path: Full's bytes).
 # Uses .whl/*.whl (the transformers wheel, carried beside the tree). Writes to $OUT: machine.txt, issue51.jsonl,
 # gpu.jsonl, tables.md, serving.jsonl, run logs. Timeouts (seconds): STEP_TIMEOUT, STUDY_TIMEOUT, SERVE_TIMEOUT.
 source compare/gpu/prepare.sh  # $OUT, the carried wheels, $OUT/machine.txt
@@ -14,4 +15,4 @@ timeout ${STEP_TIMEOUT:-70} python3 compare/gpu/check_issue51.py --out "$OUT" --
 timeout ${STUDY_TIMEOUT:-170} python3 -m h2o_kv.studies.bench.gpu --shapes llama3-8b --out "$OUT" \
   --only ${CELLS_8B:-static,h2o-captured,full-captured,prefill,prefill-chunked} 2>&1 | tee "$OUT/study.log" | grep -v '^{' | tail -3
 python3 -m h2o_kv.studies.bench.gpu --report --out "$OUT" | tail -8
-timeout ${SERVE_TIMEOUT:-270} python3 compare/gpu/serving_run.py --out "$OUT" 2>"$OUT/serving.log" | cut -c1-600
+timeout ${SERVE_TIMEOUT:-270} python3 compare/gpu/serving_run.py --out "$OUT" --policies ${SERVE_POLICIES:-h2o,full} 2>"$OUT/serving.log" | cut -c1-600

@@ -78,7 +78,8 @@ def serve(model, tokenizer, policy: str, setup: dict, device) -> dict:
     from h2o_kv.runtime.engine import Engine
 
     dry = device.type != "cuda"
-    engine = Engine(model, tokenizer, policy=policy, budget=0.2, kv_memory=setup["kv_memory"],
+    name, _, fraction = policy.partition("@")  # h2o@1.0: every prompt token kept, on the bounded (captured) path
+    engine = Engine(model, tokenizer, policy=name, budget=float(fraction or 0.2), kv_memory=setup["kv_memory"],
                     max_batch=setup["requests"], prefill_chunk=setup["prefill_chunk"],
                     rows_in_place=dry or None)  # fmt: skip
     if dry:  # no CUDA graphs on a CPU: each replay runs the step again
@@ -126,7 +127,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on a CPU, Triton interpreted")
-    parser.add_argument("--policies", default="h2o,full", help="comma-separated, run in this order")
+    parser.add_argument("--policies", default="h2o,full",
+                        help="comma-separated, run in this order; NAME@FRACTION for a budget other than 20 %%: "
+                        "h2o@1.0: every prompt token kept on the bounded path (Full's bytes, replayed)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")

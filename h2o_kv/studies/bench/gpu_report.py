@@ -44,11 +44,11 @@ def report(rows: list[dict]) -> str:
                 lines.append(f"| {name} | {pre[name]:.3f} | {pre[name] / pre['sdpa']:.2f} |")
         chunked = mine.get("prefill-chunked", {})
         if "h2o_s" in chunked:
-            lines += ["", f"One prompt in the engine's {chunked['chunk']}-token calls: Full() "
-                      f"{chunked['full_s']:.3f} s, H2O {chunked['h2o_s']:.3f} s ({chunked['h2o_s'] / chunked['full_s']:.2f}x); H2O's "
-                      f"{chunked['h2o_device_ms']:.0f} ms of device time, its top kernels:", "",
-                      "| kernel | calls | ms |", "| --- | --- | --- |",
-                      *(f"| `{k['name']}` | {k['calls']} | {k['ms']:.1f} |" for k in chunked["h2o_kernels"])]  # fmt: skip
+            full, h2o = chunked["full_s"], chunked["h2o_s"]
+            lines += ["", f"One prompt in the engine's {chunked['chunk']}-token calls: Full() {full:.3f} s, H2O "
+                      f"{h2o:.3f} s ({h2o / full:.2f}x); H2O's {chunked['h2o_device_ms']:.0f} ms of device time, its "
+                      "top kernels:", "", "| kernel | calls | ms |", "| --- | --- | --- |"]  # fmt: skip
+            lines += [f"| `{k['name']}` | {k['calls']} | {k['ms']:.1f} |" for k in chunked["h2o_kernels"]]
         ops = mine.get("attention-ops", {})
         if "sdpa_ms" in ops:
             lines += ["", f"One layer's prompt attention: SDPA {ops['sdpa_ms']:.2f} ms, flash + H2O scores "

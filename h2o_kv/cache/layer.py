@@ -378,15 +378,6 @@ class KVLayer(Rows, Steady, CacheLayerMixin):
         if self.last is not None:
             self.last.masked_fill_(mask, 0.0)
 
-    # -- inspection ----------------------------------------------------------------------------------
-    def kept(self) -> torch.Tensor:
-        """Tokens kept per (sequence, KV head), [B, H]."""
-        return self.occupied()
-
-    def occupied(self) -> torch.Tensor:
-        """Used slots per row of the storage, [B, H] (a head-pooled layer has one row per sequence)."""
-        return (self.pos >= 0).sum(-1)
-
     def _attend(self, query: torch.Tensor, positions: torch.Tensor, call: Call, full: bool = False):
         """`routes.attend` of a call's queries over this layer's slots (a head-pooled layer masks by head;
         `full`: every slot holds a token, nothing to mask)."""
@@ -398,18 +389,6 @@ class KVLayer(Rows, Steady, CacheLayerMixin):
         kv = Slots(self.keys, self.values, None if full else self.pos, self.key_scale, self.value_scale, self.head,
                    self.query_head, work)  # fmt: skip
         return (self.settings.attention or attend)(query, kv, positions, call, native_kernels=native)
-
-    def nbytes(self) -> int:
-        """Bytes allocated: every slot of the storage, empty or not, and its bookkeeping."""
-        tensors = (self.keys, self.values, self.pos, self.score, self.last, self.key_scale, self.value_scale, self.head)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-    def kept_nbytes(self, row: int | None = None) -> int:
-        """Bytes of the slots that hold a token (with their bookkeeping), of one sequence `row` or all: what the
-        kept tokens need (a host sync)."""
-        slots = self.pos.numel()
-        kept = (self.pos if row is None else self.pos[row]) >= 0
-        return self.nbytes() * int(kept.sum()) // slots if slots else 0
 
 
 def eviction_ranks(valid: torch.Tensor, pos: torch.Tensor, priority: torch.Tensor) -> torch.Tensor:

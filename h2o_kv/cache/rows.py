@@ -27,8 +27,30 @@ ROW_BLOCK = 64
 
 
 class Rows:
-    """The storage operations of a `KVLayer` (which provides the fields and `occupied`)."""
+    """The storage operations of a `KVLayer` (which provides the fields), and what the storage holds."""
 
+    # -- what the storage holds -----------------------------------------------------------------------
+    def kept(self) -> torch.Tensor:
+        """Tokens kept per (sequence, KV head), [B, H]."""
+        return self.occupied()
+
+    def occupied(self) -> torch.Tensor:
+        """Used slots per row of the storage, [B, H] (a head-pooled layer has one row per sequence)."""
+        return (self.pos >= 0).sum(-1)
+
+    def nbytes(self) -> int:
+        """Bytes allocated: every slot of the storage, empty or not, and its bookkeeping."""
+        tensors = (self.keys, self.values, self.pos, self.score, self.last, self.key_scale, self.value_scale, self.head)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def kept_nbytes(self, row: int | None = None) -> int:
+        """Bytes of the slots that hold a token (with their bookkeeping), of one sequence `row` or all: what the
+        kept tokens need (a host sync)."""
+        slots = self.pos.numel()
+        kept = (self.pos if row is None else self.pos[row]) >= 0
+        return self.nbytes() * int(kept.sum()) // slots if slots else 0
+
+    # -- sequences: select, repeat, reorder, join --------------------------------------------------------
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
 

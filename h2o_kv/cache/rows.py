@@ -176,9 +176,8 @@ class Rows:
         self.used = self.keys.shape[2]
         if self.vacant is None or self.head is not None:  # grown, or not steady: the next step finds its slots
             self._storage_changed()
-        else:
-            empty_first = torch.sort((self.pos[row] >= 0).to(torch.uint8), dim=-1, stable=True).indices
-            self.vacant[row] = empty_first[:, : self.vacant.shape[-1]]
+        else:  # a layer of one slot per head a step (`spare` 1): the general path's `_first_empty`
+            self.vacant[row] = self._first_empty()[row]
             self.packed = False
         self._refresh_memo()
         self._refresh_bounds()

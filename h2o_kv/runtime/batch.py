@@ -41,8 +41,9 @@ class Batch:
         self.positions = torch.tensor([request.position], device=device)
         if self.in_place:
             cache.reserve_width(width)
-            if bucket(1 + coming, self.max_rows) > 1:  # room for the prompts about to join
-                self._resize(bucket(1 + coming, self.max_rows))
+            rows = bucket(1 + coming, self.max_rows)  # room for the prompts about to join
+            if rows > 1:
+                self._resize(rows)
 
     def __len__(self) -> int:
         return len(self.requests)

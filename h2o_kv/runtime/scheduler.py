@@ -198,10 +198,11 @@ class Scheduler:
         if ranks_whole_cache(request.policy) and not cache.layers_alike() and not self._fits_joined(request, cache):
             key = (request.policy, request.id)
         batch = self.batches.get(key)
-        coming, width = self._coming(key), self._widest(key, request)
+        coming = self._going_in(key)
+        width = self._widest([request, *coming] if request.policy == key else coming)
         if batch is None:
             rows = self.max_batch if self.count.in_place else None
-            self.batches[key] = Batch(request, cache, device, rows, coming=coming, width=width)
+            self.batches[key] = Batch(request, cache, device, rows, coming=len(coming), width=width)
         else:
             batch.join(request, cache, width=width)
 
@@ -211,18 +212,18 @@ class Scheduler:
         if len(rows) == len(batch):
             del self.batches[key]
         else:
-            batch.leave(rows, coming=self._coming(key), width=self._widest(key))
+            coming = self._going_in(key)
+            batch.leave(rows, coming=len(coming), width=self._widest(coming))
         self.trim()
 
-    def _coming(self, key: Hashable) -> int:
+    def _going_in(self, key: Hashable) -> list[Request]:
         """Prompts going in under the policy of batch `key`: they join it once through (`Batch`'s buckets count them;
         a batch of its own, keyed (policy, request id), has none)."""
-        return sum(1 for request, _ in self.prefill if request.policy == key)
+        return [request for request, _ in self.prefill if request.policy == key]
 
-    def _widest(self, key: Hashable, joining: Request | None = None) -> int:
-        """Slots per row the widest of `joining` and the prompts going in under batch `key`'s policy will decode in
-        (`SlotCount.slots`, what admission counted); 0 for none, or a batch of its own."""
-        requests = [r for r in (joining, *(r for r, _ in self.prefill)) if r is not None and r.policy == key]
+    def _widest(self, requests: list[Request]) -> int:
+        """Slots per row the widest of `requests` will decode in (`SlotCount.slots`, what admission counted); 0 for
+        none, or rows packed."""
         if not requests or not self.count.in_place:
             return 0
         return max(self.count.slots(r.policy, r.prompt_tokens, r.max_tokens)[0] for r in requests)

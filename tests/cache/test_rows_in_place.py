@@ -84,8 +84,8 @@ def test_join_and_leave_in_place_equal_solo_runs(native, kv_dtype):
     free = [kept_positions(layer, 1) for layer in batch.layers]  # never used: one token per KV head at most
     assert all(len(head) <= 1 for layer in free for head in layer)
     assert steady[-1] and sum(steady) >= 6  # free rows do not keep the layers off the steady step
-    # what a captured step depends on: unchanged by c's join into a's freed row (one eager step between); a C++
-    # step leaves its freed slots in a new tensor, so on a CPU's kernels the key changes every step
-    # the step after c's join is steady with the key before it (the join keeps the other rows' freed slots and puts
-    # c's next token in its first empty ones), so a captured step replays through a join
+    # what a captured step depends on: unchanged by c's join into a's freed row, and the step after the join steady
+    # (the join keeps the other rows' freed slots and puts c's next token in its first empty one), so a captured step
+    # replays through a join; a C++ step leaves its freed slots in a new tensor, so on a CPU's kernels the key
+    # changes every step
     assert keys[4] is not None and (native or all(key == keys[4] for key in keys[5:]))

@@ -39,9 +39,9 @@ def _partial(Q, K, V, KS, VS, POS, SH, LOGITS, M, L, ACC, NK, NV, VAC, NPOS, NKS
              INT8: tl.constexpr, IEEE: tl.constexpr, WRITE: tl.constexpr):  # fmt: skip
     """One split of a row's slots: running max, sum and weighted values, and the scaled logits. With WRITE, the new
     token (key NK, value NV, position NPOS; int8 with scales NKS, NVS [B * H]) goes into the row's vacant slot VAC:
-    the split holding that slot stores it, and every tile reads it in place of what the slot held. POOLED: the
-    row is a head-pooled one (H = 1, every query head of the sequence reads it), and query head g sees only the
-    slots whose KV head SH [B, S] is g // GROUP."""
+    the split holding that slot stores it, and the tile holding the slot takes the new token's logit and value
+    (computed once, in registers) in place of what the slot held. POOLED: the row is a head-pooled one (H = 1, every
+    query head of the sequence reads it), and query head g sees only the slots whose KV head SH [B, S] is g // GROUP."""
     bh = tl.program_id(0)
     b, h = bh // heads, bh % heads
     start = tl.program_id(1) * split_size
@@ -62,6 +62,15 @@ def _partial(Q, K, V, KS, VS, POS, SH, LOGITS, M, L, ACC, NK, NV, VAC, NPOS, NKS
             if INT8:
                 tl.store(KS + b * ssb + h * ssh + vac, tl.load(NKS + bh))
                 tl.store(VS + b * ssb + h * ssh + vac, tl.load(NVS + bh))
+        # This launch's own store may not be visible to its loads, and patching the loaded tiles would take them
+        # out of the pipelined copy (a round trip through shared memory per tile): the tiles are used as loaded,
+        # and the vacant slot's logit and weighted value are the new token's, computed here and in registers.
+        new_logit = tl.sum(q.to(tl.float32) * new_k.to(tl.float32)[None, :], 1) * scaling
+        if INT8:
+            new_logit = new_logit * tl.load(NKS + bh)
+        new_value = new_v.to(tl.float32)
+        if INT8:
+            new_value = new_value * tl.load(NVS + bh)
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     total = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, DV], tl.float32)
@@ -69,18 +78,15 @@ def _partial(Q, K, V, KS, VS, POS, SH, LOGITS, M, L, ACC, NK, NV, VAC, NPOS, NKS
         s = s0 + tl.arange(0, BLOCK)
         inside = s < stop
         k = tl.load(K + b * skb + h * skh + s[:, None] * sks + d[None, :], mask=inside[:, None], other=0)
-        if WRITE:  # this launch's own store may not be visible to its loads: the token comes from registers
-            k = tl.where((s == vac)[:, None], new_k[None, :], k)
         if IEEE:
             qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k.to(q.dtype)))
         logit = qk * scaling
         if INT8:
-            key_scale = tl.load(KS + b * ssb + h * ssh + s, mask=inside, other=0.0)
-            if WRITE:
-                key_scale = tl.where(s == vac, tl.load(NKS + bh), key_scale)
-            logit = logit * key_scale[None, :]
+            logit = logit * tl.load(KS + b * ssb + h * ssh + s, mask=inside, other=0.0)[None, :]
+        if WRITE:  # the vacant slot holds the new token
+            logit = tl.where((s == vac)[None, :], new_logit[:, None], logit)
         valid = inside
         if HAS_POS:
             held = tl.load(POS + b * spb + h * sph + s, mask=inside, other=-1) >= 0
@@ -99,18 +105,19 @@ def _partial(Q, K, V, KS, VS, POS, SH, LOGITS, M, L, ACC, NK, NV, VAC, NPOS, NKS
         p = tl.exp(logit - m_safe[:, None])
         total = total * alpha + tl.sum(p, 1)
         v = tl.load(V + b * svb + h * svh + s[:, None] * svs + dv[None, :], mask=inside[:, None], other=0)
-        if WRITE:
-            v = tl.where((s == vac)[:, None], new_v[None, :], v)
+        if WRITE:  # the vacant slot's row of v is stale: its weight goes to the new value instead
+            on_vac = (s == vac)[None, :]
+            p_vac = tl.sum(tl.where(on_vac, p, 0.0), 1)
+            p = tl.where(on_vac, 0.0, p)
         if INT8:
-            value_scale = tl.load(VS + b * ssb + h * ssh + s, mask=inside, other=0.0)
-            if WRITE:
-                value_scale = tl.where(s == vac, tl.load(NVS + bh), value_scale)
-            p = p * value_scale[None, :]
+            p = p * tl.load(VS + b * ssb + h * ssh + s, mask=inside, other=0.0)[None, :]
         if IEEE:
             pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
         else:
             pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
         acc = acc * alpha[:, None] + pv
+        if WRITE:
+            acc += p_vac[:, None] * new_value[None, :]
         m = m_new
     row = (bh * NSPLIT + tl.program_id(1)) * G_PAD + g
     tl.store(M + row, m)

@@ -11,7 +11,7 @@ recorded). Each request's events give its time to first token (from its submissi
 inter-token gaps; tokens/s is every new token over the run's wall time; `prefill_s` and `decode_s` split the run's
 time between the engine's prefill work and its decode steps (each timed with the device drained before and after,
 which the engine itself never does, so the split costs a little time), and the decode calls split again into
-those that replayed a recording and those that ran eagerly (`decode_calls`: seconds and counts). Rows go to
+those that replayed a recording, recorded one or ran eagerly (`decode_calls`: seconds and counts). Rows go to
 DIR/serving.jsonl.
 """
 
@@ -43,6 +43,9 @@ SETUPS = {
 }  # fmt: skip
 
 
+KINDS = ("replayed", "recorded", "eager")  # a decode call's kind (timed_phases)
+
+
 def quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -50,22 +53,26 @@ def quantile(values: list[float], q: float) -> float:
 
 def timed_phases(steps, device) -> dict:
     """Wrap the engine's `steps.prefill` and `steps.decode` to sum the seconds each takes; returns the sums, and the
-    decode calls split by whether they replayed a recording (`replayed_*`) or ran eagerly (`eager_*`: not steady,
-    a new bucket's warm-up or its recording), each call's count and seconds."""
-    spent = {"prefill_s": 0.0, "decode_s": 0.0, "replayed_calls": 0, "replayed_s": 0.0, "eager_calls": 0,
-             "eager_s": 0.0}  # fmt: skip
+    decode calls split by whether they replayed a recording (`replayed_*`), recorded one (`recorded_*`: the capture
+    and its first run) or ran eagerly (`eager_*`: not steady, or a new recording's warm-up, which compiles the
+    kernels for its shapes), each kind's count and seconds."""
+    spent = {"prefill_s": 0.0, "decode_s": 0.0} | {f"{k}_{u}": 0 for k in KINDS for u in ("calls", "s")}
     for name in ("prefill", "decode"):
         work = getattr(steps, name)
 
         def timed(*args, work=work, name=name):
             sync(device)
-            replays, start = getattr(steps, "replayed", 0), time.perf_counter()
+            counts, start = (getattr(steps, "replayed", 0), getattr(steps, "captured", 0)), time.perf_counter()
             work(*args)
             sync(device)
             seconds = time.perf_counter() - start
             spent[f"{name}_s"] += seconds
             if name == "decode":
-                kind = "replayed" if getattr(steps, "replayed", 0) > replays else "eager"
+                replayed, recorded = (
+                    getattr(steps, "replayed", 0) > counts[0],
+                    getattr(steps, "captured", 0) > counts[1],
+                )
+                kind = "replayed" if replayed else "recorded" if recorded else "eager"
                 spent[f"{kind}_calls"] += 1
                 spent[f"{kind}_s"] += seconds
 
@@ -115,8 +122,8 @@ def serve(model, tokenizer, policy: str, setup: dict, device) -> dict:
                 ttft_p99_s=round(quantile(ttft, 0.99), 3), itl_p50_ms=round(1000 * statistics.median(gaps), 2),
                 itl_p99_ms=round(1000 * quantile(gaps, 0.99), 2), itl_mean_ms=round(1000 * statistics.mean(gaps), 2),
                 prefill_s=round(spent["prefill_s"], 2), decode_s=round(spent["decode_s"], 2),
-                decode_calls={k: round(spent[f"{k}_s"], 2) for k in ("replayed", "eager")}
-                | {f"{k}_n": spent[f"{k}_calls"] for k in ("replayed", "eager")},
+                decode_calls={k: round(spent[f"{k}_s"], 2) for k in KINDS}
+                | {f"{k}_n": spent[f"{k}_calls"] for k in KINDS},
                 kv_bytes_peak=engine.peaks["kv_bytes_in_use"], running_peak=engine.peaks["running"],
                 kv_memory=setup["kv_memory"], captured=getattr(steps, "captured", None),
                 replayed=getattr(steps, "replayed", None), errors=errors[:3],

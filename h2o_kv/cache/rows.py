@@ -117,9 +117,7 @@ class Rows:
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine is None:
                 continue
-            fill = -1 if name == "pos" else 0
-            mine, theirs = grow(mine, width - mine.shape[2], fill), grow(theirs, width - theirs.shape[2], fill)
-            setattr(self, name, torch.cat([mine, theirs]))
+            setattr(self, name, stacked(mine, theirs, width, -1 if name == "pos" else 0))
         for name in ROW_FIELDS:
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine is not None:
@@ -263,6 +261,17 @@ class Rows:
                 setattr(self, name, t.gather(2, index))
         self._storage_changed()
         self.used = min(self.kept_bound, slots)
+
+
+def stacked(first: torch.Tensor, second: torch.Tensor, width: int, fill: float) -> torch.Tensor:
+    """`first` [B1, H, S1, ...] and `second` [B2, H, S2, ...] as rows of one tensor [B1 + B2, H, width, ...], the
+    slots past each one's own filled with `fill`: each copied once (growing both, then concatenating, copied the
+    rows up to three times)."""
+    out = first.new_empty((first.shape[0] + second.shape[0], first.shape[1], width, *first.shape[3:]))
+    for rows, t in ((out[: first.shape[0]], first), (out[first.shape[0] :], second)):
+        rows[:, :, : t.shape[2]] = t
+        rows[:, :, t.shape[2] :] = fill
+    return out
 
 
 def grow(t: torch.Tensor, extra: int, fill: float) -> torch.Tensor:

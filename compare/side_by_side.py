@@ -1,7 +1,7 @@
 """h2o-kv's retrieval study and kvpress's run on the same samples, in one table per (task, context) and budget.
 
-    python compare/side_by_side.py --h2o results/qwen/h2o-kv-4k20/results.json --kvpress results/qwen/kvpress-4k20/results.json \\
-        --out /tmp/side_by_side.md
+    python compare/side_by_side.py --h2o results/qwen/h2o-kv-4k20/results.json \\
+        --kvpress results/qwen/kvpress-4k20/results.json --out /tmp/side_by_side.md
     python compare/side_by_side.py --prefill agnostic --out results/compress-once/side_by_side.md \\
         --h2o results/compress-once/qwen2.5-coder-0.5b/results.json \\
         --kvpress results/kvpress-compress-once-qwen2.5-coder-0.5b/results.json

@@ -266,7 +266,10 @@ class Rows:
 def stacked(first: torch.Tensor, second: torch.Tensor, width: int, fill: float) -> torch.Tensor:
     """`first` [B1, H, S1, ...] and `second` [B2, H, S2, ...] as rows of one tensor [B1 + B2, H, width, ...], the
     slots past each one's own filled with `fill`: each copied once (growing both, then concatenating, copied the
-    rows up to three times)."""
+    rows up to three times). Under autograd (a prefill outside `torch.no_grad`) they are grown and concatenated,
+    which autograd records."""
+    if first.requires_grad or second.requires_grad:
+        return torch.cat([grow(first, width - first.shape[2], fill), grow(second, width - second.shape[2], fill)])
     out = first.new_empty((first.shape[0] + second.shape[0], first.shape[1], width, *first.shape[3:]))
     for rows, t in ((out[: first.shape[0]], first), (out[first.shape[0] :], second)):
         rows[:, :, : t.shape[2]] = t

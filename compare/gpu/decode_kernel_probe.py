@@ -78,7 +78,8 @@ def ms_per_call(call, device, launches: int = 20) -> float:
 
 def compiled(fn) -> dict:
     """The kernels Triton's JIT compiled for `fn` so far, by key (its per-device caches: the kernel cache first)."""
-    return {key: kernel for caches in fn.device_caches.values() for key, kernel in caches[0].items()}
+    caches = [entry[0] for entry in getattr(fn, "device_caches", {}).values() if isinstance(entry[0], dict)]
+    return {key: kernel for cache in caches for key, kernel in cache.items()}  # none found: `kernels` 0 in the row
 
 
 def pipelined_loads(kernels: list) -> dict:

@@ -19,8 +19,8 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere: the repository's h2o_kv
 
 from h2o_kv.backends import triton_decode  # noqa: E402
+from h2o_kv.studies.bench.gpu_models import clock, sync  # noqa: E402
 from h2o_kv.studies.report import provenance  # noqa: E402
 
 SHAPES = {"llama3-8b": dict(batch=8, heads=8, q_heads=32, dim=128, slots=6553),
@@ -52,28 +53,18 @@ def inputs(shape: dict, device, dtype):
 
 
 def ms_per_call(call, device, launches: int = 20) -> float:
-    """Milliseconds per call: on a GPU a CUDA graph of `launches` calls, replayed (no host gaps); else a host timer."""
+    """Milliseconds per call: on a GPU a CUDA graph of `launches` calls, replayed (no host gaps), the median of 5
+    replays; else one call."""
     if device.type != "cuda":
-        start = time.perf_counter()
-        call()
-        return (time.perf_counter() - start) * 1e3
+        return clock(device, call) * 1e3
     call()  # compile
-    torch.cuda.synchronize()
+    sync(device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(launches):
             call()
     graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(begin.elapsed_time(end) / launches)
-    return sorted(times)[len(times) // 2]
+    return statistics.median(clock(device, graph.replay) for _ in range(5)) * 1e3 / launches
 
 
 def compiled(fn) -> dict:

@@ -55,22 +55,21 @@ def _partial(Q, K, V, KS, VS, POS, SH, LOGITS, M, L, ACC, NK, NV, VAC, NPOS, NKS
         vac = tl.load(VAC + b * sacb + h * sach)
         new_k = tl.load(NK + b * snkb + h * snkh + d)
         new_v = tl.load(NV + b * snvb + h * snvh + dv)
+        # This launch's own store may not be visible to its loads, and patching the loaded tiles would take them
+        # out of the pipelined copy (a round trip through shared memory per tile): the tiles are used as loaded,
+        # and the vacant slot's logit and weighted value are the new token's, computed here and in registers.
+        new_logit = tl.sum(q.to(tl.float32) * new_k.to(tl.float32)[None, :], 1) * scaling
+        new_value = new_v.to(tl.float32)
+        if INT8:
+            new_ks, new_vs = tl.load(NKS + bh), tl.load(NVS + bh)
+            new_logit, new_value = new_logit * new_ks, new_value * new_vs
         if (vac >= start) & (vac < stop):  # the one split holding the slot writes the token
             tl.store(K + b * skb + h * skh + vac * sks + d, new_k)
             tl.store(V + b * svb + h * svh + vac * svs + dv, new_v)
             tl.store(POS + b * spb + h * sph + vac, tl.load(NPOS + b))
             if INT8:
-                tl.store(KS + b * ssb + h * ssh + vac, tl.load(NKS + bh))
-                tl.store(VS + b * ssb + h * ssh + vac, tl.load(NVS + bh))
-        # This launch's own store may not be visible to its loads, and patching the loaded tiles would take them
-        # out of the pipelined copy (a round trip through shared memory per tile): the tiles are used as loaded,
-        # and the vacant slot's logit and weighted value are the new token's, computed here and in registers.
-        new_logit = tl.sum(q.to(tl.float32) * new_k.to(tl.float32)[None, :], 1) * scaling
-        if INT8:
-            new_logit = new_logit * tl.load(NKS + bh)
-        new_value = new_v.to(tl.float32)
-        if INT8:
-            new_value = new_value * tl.load(NVS + bh)
+                tl.store(KS + b * ssb + h * ssh + vac, new_ks)
+                tl.store(VS + b * ssb + h * ssh + vac, new_vs)
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     total = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, DV], tl.float32)

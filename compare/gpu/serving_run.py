@@ -11,8 +11,9 @@ recorded). Each request's events give its time to first token (from its submissi
 inter-token gaps; tokens/s is every new token over the run's wall time; `prefill_s` and `decode_s` split the run's
 time between the engine's prefill work and its decode steps (each timed with the device drained before and after,
 which the engine itself never does, so the split costs a little time), and the decode calls split again into
-those that replayed a recording, recorded one or ran eagerly (`decode_calls`: seconds and counts). Rows go to
-DIR/serving.jsonl.
+those that replayed a recording, recorded one or ran eagerly (`decode_calls`: seconds and counts);
+`triton_compiled` counts the Triton kernels compiled during the measured run, per kernel (each new batch bucket or
+slot count can take a new variant: the split count is a compile-time constant). Rows go to DIR/serving.jsonl.
 """
 
 from __future__ import annotations
@@ -80,6 +81,20 @@ def timed_phases(steps, device) -> dict:
     return spent
 
 
+def triton_variants() -> dict[str, int]:
+    """The compiled variants of each of h2o-kv's Triton kernels so far (none under the interpreter, which compiles
+    nothing): a JIT function keeps one per specialization in its per-device cache."""
+    from h2o_kv.backends import triton_decode, triton_evict, triton_scores
+
+    counts = {}
+    for module in (triton_decode, triton_evict, triton_scores):
+        for name, fn in vars(module).items():
+            caches = getattr(fn, "device_caches", None)
+            if isinstance(caches, dict):
+                counts[f"{module.__name__.rsplit('.', 1)[-1]}.{name}"] = sum(len(c[0]) for c in caches.values())
+    return counts
+
+
 def serve(model, tokenizer, policy: str, setup: dict, device) -> dict:
     """One measured run of `policy` on a fresh engine (module docstring)."""
     from h2o_kv.runtime.engine import Engine
@@ -102,6 +117,7 @@ def serve(model, tokenizer, policy: str, setup: dict, device) -> dict:
     times: list[list[float]] = [[] for _ in range(n)]
     handles = []
     spent = timed_phases(engine._steps, device)
+    compiled_before = triton_variants()
     sync(device)
     start = time.perf_counter()
     for i in order:
@@ -117,13 +133,14 @@ def serve(model, tokenizer, policy: str, setup: dict, device) -> dict:
     gaps = [b - a for t in times for a, b in zip(t, t[1:])]
     tokens = sum(r.completion_tokens for r in results)
     steps = engine._steps
+    compiled = {k: n - compiled_before.get(k, 0) for k, n in triton_variants().items() if n > compiled_before.get(k, 0)}
     return dict(policy=policy, requests=n, prompt_tokens=sum(lengths), new_tokens=tokens, wall_s=round(wall, 2),
                 tok_s=round(tokens / wall, 1), ttft_p50_s=round(statistics.median(ttft), 3),
                 ttft_p99_s=round(quantile(ttft, 0.99), 3), itl_p50_ms=round(1000 * statistics.median(gaps), 2),
                 itl_p99_ms=round(1000 * quantile(gaps, 0.99), 2), itl_mean_ms=round(1000 * statistics.mean(gaps), 2),
                 prefill_s=round(spent["prefill_s"], 2), decode_s=round(spent["decode_s"], 2),
                 decode_calls={k: round(spent[f"{k}_s"], 2) for k in KINDS}
-                | {f"{k}_n": spent[f"{k}_calls"] for k in KINDS},
+                | {f"{k}_n": spent[f"{k}_calls"] for k in KINDS}, triton_compiled=compiled,
                 kv_bytes_peak=engine.peaks["kv_bytes_in_use"], running_peak=engine.peaks["running"],
                 kv_memory=setup["kv_memory"], captured=getattr(steps, "captured", None),
                 replayed=getattr(steps, "replayed", None), errors=errors[:3],

@@ -12,11 +12,13 @@ of rows (1, 2, 4, 8, ... up to the engine's `max_batch`), a request joins a free
 other row's storage is copied (`KVCache.write_rows(into=)`, `release_rows`), and the step's shapes stay those of
 the bucket (what a captured step replays). Free rows step along, fed token 0 at position 0; their logits are never
 read. The bucket grows when no row is free and shrinks, packing the rows, once a quarter of it is in use. Prompts of
-the same policy still going in (`coming`) count as rows in use: a batch started while they prefill takes their
-bucket at once, and one they will join does not shrink below it; and the storage is made as wide as the widest of
-them needs (`width`) before a row joins. So a new bucket or a wider storage (a copy, and on a GPU a new recording
+the same policy still going in (`coming`) count as rows in use: a batch started or grown while they prefill takes
+their bucket at once, and one they will join does not shrink below it; and the storage is made as wide as the widest
+of them needs (`width`) before a row joins. So a new bucket or a wider storage (a copy, and on a GPU a new recording
 of the step) is not made again and again while the batch fills (admission already counts these rows and widths:
-`Scheduler.projected`).
+`Scheduler.projected`). Where the next power of two would not fit the engine's KV memory (`tight`, the scheduler's
+call), a bucket is just the rows in use: more requests decode in the same bytes, at the price of a recording per
+size.
 """
 
 from __future__ import annotations
@@ -34,14 +36,14 @@ class Batch:
     in buckets of rows up to this many (None: rows packed, the cache as wide as the requests)."""
 
     def __init__(self, request: Request, cache: KVCache, device: torch.device, max_rows: int | None = None,
-                 coming: int = 0, width: int = 0) -> None:  # fmt: skip
+                 coming: int = 0, width: int = 0, tight: bool = False) -> None:  # fmt: skip
         self.cache, self.requests, self.rows = cache, [request], [0]
         self.max_rows = max_rows if max_rows is not None and cache.rows_in_place else None
         self.tokens = torch.tensor([request.token_ids[-1]], device=device)
         self.positions = torch.tensor([request.position], device=device)
         if self.in_place:
             cache.reserve_width(width)
-            rows = bucket(1 + coming, self.max_rows)  # room for the prompts about to join
+            rows = bucket(1 + coming, self.max_rows, tight)  # room for the prompts about to join
             if rows > 1:
                 self._resize(rows)
 
@@ -52,10 +54,11 @@ class Batch:
     def in_place(self) -> bool:
         return self.max_rows is not None
 
-    def join(self, request: Request, cache: KVCache, width: int = 0) -> None:
+    def join(self, request: Request, cache: KVCache, width: int = 0, coming: int = 0, tight: bool = False) -> None:
         """Take in a request whose prompt has been through `cache` (its one row) and whose first token is sampled.
         In place, the storage is first made `width` slots wide (the widest row of the batch and its coming prompts:
-        `KVCache.reserve_width`), where it is narrower."""
+        `KVCache.reserve_width`), where it is narrower, and grown to the bucket of its rows and the `coming` prompts
+        when no row is free."""
         token, position = request.token_ids[-1], request.position
         self.requests.append(request)
         if not self.in_place:
@@ -65,27 +68,27 @@ class Batch:
             self.positions = torch.cat([self.positions, self.positions.new_tensor([position])])
             return
         self.cache.reserve_width(width)
-        row = self._free_row()
+        row = self._free_row(coming, tight)
         self.cache.write_rows(cache, into=row)
         self.rows.append(row)
         self.tokens[row], self.positions[row] = token, position
 
-    def rows_after_join(self) -> int:
+    def rows_after_join(self, coming: int = 0, tight: bool = False) -> int:
         """The cache rows this batch holds once one more request has joined: one more (rows packed), the same where a
-        row is free, else the next bucket."""
+        row is free, else the bucket of its rows and the `coming` prompts."""
         if not self.in_place:
             return self.cache.batch_size + 1
         if len(self.rows) < self.cache.batch_size:
             return self.cache.batch_size
-        return bucket(len(self.rows) + 1, self.max_rows)
+        return bucket(len(self.rows) + 1 + coming, self.max_rows, tight)
 
-    def _free_row(self) -> int:
+    def _free_row(self, coming: int, tight: bool) -> int:
         """The first free row of the cache, after growing it to the next bucket when none is free."""
         taken = set(self.rows)
         free = [row for row in range(self.cache.batch_size) if row not in taken]
         if free:
             return free[0]
-        self._resize(self.rows_after_join())
+        self._resize(self.rows_after_join(coming, tight))
         return len(self.rows)
 
     def _resize(self, rows: int) -> None:
@@ -105,7 +108,7 @@ class Batch:
             self.tokens[self.rows] = self.tokens.new_tensor([t or 0 for t in tokens])
         self.positions.add_(1)
 
-    def leave(self, gone: list[int], coming: int = 0, width: int = 0) -> None:
+    def leave(self, gone: list[int], coming: int = 0, width: int = 0, tight: bool = False) -> None:
         """These requests (indices into `requests`) leave: their rows are freed; the others keep their order. In place,
         the bucket shrinks once a quarter of it is in use, counting the `coming` prompts that will join, and packing
         the rows narrows the storage to what they hold: it is widened again to the `width` those prompts need."""
@@ -126,7 +129,7 @@ class Batch:
             self.cache.select_rows(self.rows)
             self.tokens, self.positions = self.tokens[index], self.positions[index]
             self.rows = list(range(len(self.rows)))
-            self._resize(bucket(len(self.rows) + coming, self.max_rows))
+            self._resize(bucket(len(self.rows) + coming, self.max_rows, tight))
             self.cache.reserve_width(width)
 
     def record(self, i: int) -> None:
@@ -134,10 +137,10 @@ class Batch:
         record(self.requests[i], self.cache, self.rows[i])
 
 
-def bucket(rows: int, most: int) -> int:
+def bucket(rows: int, most: int, tight: bool = False) -> int:
     """The rows a batch of `rows` requests holds in place: the next power of two, at most `most` (and at least
-    `rows`)."""
-    return max(rows, min(1 << (rows - 1).bit_length(), most))
+    `rows`); `tight`: `rows` (the power of two would not fit the KV memory)."""
+    return rows if tight else max(rows, min(1 << (rows - 1).bit_length(), most))
 
 
 def record(request: Request, cache: KVCache, row: int) -> None:

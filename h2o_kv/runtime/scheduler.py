@@ -200,11 +200,12 @@ class Scheduler:
         batch = self.batches.get(key)
         coming = self._going_in(key)
         width = self._widest([request, *coming] if request.policy == key else coming)
+        tight = self._tight(joined=request)
         if batch is None:
             rows = self.max_batch if self.count.in_place else None
-            self.batches[key] = Batch(request, cache, device, rows, coming=len(coming), width=width)
+            self.batches[key] = Batch(request, cache, device, rows, coming=len(coming), width=width, tight=tight)
         else:
-            batch.join(request, cache, width=width)
+            batch.join(request, cache, width=width, coming=len(coming), tight=tight)
 
     def leave(self, key: Hashable, rows: list[int]) -> None:
         """Rows of a batch (its key in `batches`) are done: free them, and the batch once empty."""
@@ -213,7 +214,9 @@ class Scheduler:
             del self.batches[key]
         else:
             coming = self._going_in(key)
-            batch.leave(rows, coming=len(coming), width=self._widest(coming))
+            gone = {id(batch.requests[i]) for i in rows}
+            tight = self._tight(gone=gone)
+            batch.leave(rows, coming=len(coming), width=self._widest(coming), tight=tight)
         self.trim()
 
     def _going_in(self, key: Hashable) -> list[Request]:
@@ -245,13 +248,31 @@ class Scheduler:
         """KV bytes if `extra` were admitted (None: of those running): every batch at its widest row (prompts still
         going in counted in their batch), plus the two largest prompts in flight (a step feeds at most two:
         `prefill_turn`). A batch in place counts what it allocates: its bucket of rows (free rows too), each as wide
-        as its widest. A policy's batches count no less than they hold (whole-cache rows: each layer as wide as its
-        widest row's). `joining`: a request whose prompt is through and the bytes its policy's batch would hold with
-        it (`join`)."""
+        as its widest; where the power-of-two buckets would pass `kv_memory`, the tight ones (`_tight`). A policy's
+        batches count no less than they hold (whole-cache rows: each layer as wide as its widest row's). `joining`: a
+        request whose prompt is through and the bytes its policy's batch would hold with it (`join`)."""
+        total = self._bytes(extra, joining)
+        if self.kv_memory is not None and total > self.kv_memory:
+            total = self._bytes(extra, joining, tight=True)
+        return total
+
+    def _tight(self, joined: Request | None = None, gone: set[int] = frozenset()) -> bool:
+        """Whether batches in place take tight buckets (just the rows in use, `batch.bucket`): the power-of-two
+        buckets of those running (with `joined`, a request whose prompt is through, and without the requests whose
+        ids are in `gone`) would pass `kv_memory`. Admission projected the same (`projected`), so a batch never
+        allocates more than admission counted."""
+        return self.kv_memory is not None and self._bytes(joined=joined, gone=gone) > self.kv_memory
+
+    def _bytes(self, extra: Request | None = None, joining: tuple[Request, int] | None = None, tight: bool = False,
+               joined: Request | None = None, gone: set[int] = frozenset()) -> int:  # fmt: skip
+        """`projected` with power-of-two buckets, or with `tight` ones; `joined` counts as decoding, the requests in
+        `gone` not at all (`_tight`)."""
         groups: dict[Policy, list[int]] = {}
         prefill = [0, 0]
         running = [*self.all_running(), *([extra] if extra is not None else [])]
-        for request in [*running, *([joining[0]] if joining is not None else [])]:
+        running += [joining[0]] if joining is not None else []
+        running += [joined] if joined is not None else []
+        for request in [r for r in running if id(r) not in gone]:
             decode, prompt = self.count.slots(request.policy, request.prompt_tokens, request.max_tokens)
             groups.setdefault(request.policy, []).append(decode)
             if request is extra or any(request is r for r, _ in self.prefill):
@@ -262,7 +283,7 @@ class Scheduler:
             if not self.count.in_place or not self.count.bounded(policy):
                 total += max(len(widths) * max(widths) * self.count.layout, held)
                 continue
-            rows, row_bytes = bucket(len(widths), self.max_batch), max(widths) * self.count.layout
+            rows, row_bytes = bucket(len(widths), self.max_batch, tight), max(widths) * self.count.layout
             batch = self.batches.get(policy)
             if batch is not None:  # its rows as wide as the widest that joined, and no fewer than it holds now
                 size = batch.cache.batch_size
@@ -285,5 +306,6 @@ class Scheduler:
             return True  # it starts the batch: it holds what its pass left it, as admitted
         if self.kv_memory is None:
             return True
-        after = batch.cache.joined_nbytes(cache, batch.rows_after_join(), in_place=batch.in_place)
+        rows = batch.rows_after_join(len(self._going_in(request.policy)), self._tight(joined=request))
+        after = batch.cache.joined_nbytes(cache, rows, in_place=batch.in_place)
         return self.projected(joining=(request, after)) <= self.kv_memory

@@ -22,6 +22,7 @@ def prompt(length: int, seed: int) -> list[int]:
 def test_buckets():
     assert [bucket(n, 16) for n in (1, 2, 3, 5, 9, 16)] == [1, 2, 4, 8, 16, 16]
     assert bucket(5, 6) == 6 and bucket(7, 6) == 7
+    assert [bucket(n, 16, tight=True) for n in (1, 3, 5, 9)] == [1, 3, 5, 9]
 
 
 @pytest.mark.filterwarnings("ignore:.* too few for coherent text")
@@ -102,3 +103,26 @@ def test_admission_counts_the_bytes_a_bucket_allocates():
     while engine.step():
         assert engine.kv_bytes_in_use() <= limit
     assert all(h.result().finish_reason in ("length", "stop") for h in handles)
+
+
+@pytest.mark.filterwarnings("ignore:.* too few for coherent text")
+def test_a_bucket_that_would_not_fit_the_kv_memory_is_just_the_rows_in_use():
+    """Eight requests of one policy and size under a KV memory that holds six rows and the prompts going in, not a
+    bucket of eight: six decode together in a tight bucket of six (power-of-two buckets ran four at a time), the caches
+    never pass the limit nor what admission projected, and every request's tokens equal its solo run's."""
+    model, tokenizer = make_model("llama"), make_tokenizer()
+    requests = [prompt(40, seed=i) for i in range(8)]
+    engine = Engine(model, tokenizer, max_batch=16, prefill_chunk=64, policy="h2o", budget=0.5, rows_in_place=True)
+    solo = [engine.generate(ids, max_tokens=10).token_ids for ids in requests]
+    count = engine._count
+    decode, going_in = count.slots(engine.resolve_policy(), 40, 10)
+    limit = (6 * decode + 2 * going_in) * count.layout
+    engine = Engine(model, tokenizer, max_batch=16, prefill_chunk=64, policy="h2o", budget=0.5, rows_in_place=True,
+                    kv_memory=limit)  # fmt: skip
+    handles = [engine.submit(ids, max_tokens=10) for ids in requests]
+    rows = set()
+    while engine.step():
+        assert engine.kv_bytes_in_use() <= engine._runs.projected() <= limit
+        rows |= {batch.cache.batch_size for batch in engine._runs.batches.values()}
+    assert [h.result().token_ids for h in handles] == solo
+    assert engine.peaks["running"] == 6 and 6 in rows and 8 not in rows

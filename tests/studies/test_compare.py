@@ -158,7 +158,8 @@ def test_side_by_side_averages_each_method_over_the_tasks_every_method_ran(tmp_p
     assert "| h2o-kv kvzipwindow | 0.700 | 93% | 0.0 | 5 |" in text and "| h2o-kv tova | 0.500 | 67% |" in text
     assert "| kvpress kvzip | 0.750 | 100% |" in text and "| kvpress keydiff | 0.500 | 67% |" in text
     assert ("h2o-kv's best: **kvzipwindow 0.700**, 93% of Full's mean (meets 90 %); at or above kvpress's best "
-            "press at or below its bytes (keydiff 0.500)") in text  # fmt: skip
+            "press at or below its bytes (keydiff 0.500); below its best press at this fraction whatever the bytes "
+            "(kvzip 0.750, 0.0 MiB)") in text  # fmt: skip
     assert "### 10.0% of the prompt kept, 2 task(s)" in text and "h2o-kv h2o |" not in text.split("### qa_1")[0]
     assert "**kvzipwindow 0.300**, 40% of Full's mean (misses 90 %); at or above" in text
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"

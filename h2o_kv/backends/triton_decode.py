@@ -35,13 +35,15 @@ def _partial(Q, K, V, KS, VS, POS, SH, LOGITS, M, L, ACC, NK, NV, VAC, NPOS, NKS
              sqb, sqh, skb, skh, sks, svb, svh, svs, ssb, ssh, spb, sph, shb, snkb, snkh, snvb, snvh, sacb, sach,
              heads, slots, split_size, scaling,
              G: tl.constexpr, G_PAD: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-             NSPLIT: tl.constexpr, BLOCK: tl.constexpr, HAS_POS: tl.constexpr, POOLED: tl.constexpr,
-             INT8: tl.constexpr, IEEE: tl.constexpr, WRITE: tl.constexpr):  # fmt: skip
+             BLOCK: tl.constexpr, HAS_POS: tl.constexpr, POOLED: tl.constexpr, INT8: tl.constexpr,
+             IEEE: tl.constexpr, WRITE: tl.constexpr):  # fmt: skip
     """One split of a row's slots: running max, sum and weighted values, and the scaled logits. With WRITE, the new
     token (key NK, value NV, position NPOS; int8 with scales NKS, NVS [B * H]) goes into the row's vacant slot VAC:
     the split holding that slot stores it, and the tile holding the slot takes the new token's logit and value
     (computed once, in registers) in place of what the slot held. POOLED: the row is a head-pooled one (H = 1, every
-    query head of the sequence reads it), and query head g sees only the slots whose KV head SH [B, S] is g // GROUP."""
+    query head of the sequence reads it), and query head g sees only the slots whose KV head SH [B, S] is g // GROUP.
+    The split count is the grid's second size, not a compile-time constant: a new batch bucket (another split count)
+    reuses the compiled kernel."""
     bh = tl.program_id(0)
     b, h = bh // heads, bh % heads
     start = tl.program_id(1) * split_size
@@ -118,7 +120,7 @@ def _partial(Q, K, V, KS, VS, POS, SH, LOGITS, M, L, ACC, NK, NV, VAC, NPOS, NKS
         if WRITE:
             acc += p_vac[:, None] * new_value[None, :]
         m = m_new
-    row = (bh * NSPLIT + tl.program_id(1)) * G_PAD + g
+    row = (bh * tl.num_programs(1) + tl.program_id(1)) * G_PAD + g
     tl.store(M + row, m)
     tl.store(L + row, total)
     tl.store(ACC + row[:, None] * DV + dv[None, :], acc)
@@ -288,8 +290,8 @@ def _partials(q, keys, values, pos, key_scale, value_scale, scaling, write=None,
         q2, keys, values, ks, vs, p, sh, logits, m, total, acc, nk, nv, vac, npos, nks, nvs,
         q2.stride(0), q2.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), *sstr, *pstr, sh.stride(0) if sh is not m else 0, *wstr,
-        heads, slots, split_size, scaling, G=group, G_PAD=g_pad, GROUP=seen_by, D=dim, DV=dv, NSPLIT=nsplit,
-        BLOCK=block, HAS_POS=pos is not None, POOLED=slot_head is not None, INT8=int8, IEEE=q.dtype == torch.float32,
+        heads, slots, split_size, scaling, G=group, G_PAD=g_pad, GROUP=seen_by, D=dim, DV=dv, BLOCK=block,
+        HAS_POS=pos is not None, POOLED=slot_head is not None, INT8=int8, IEEE=q.dtype == torch.float32,
         WRITE=write is not None, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
     )  # fmt: skip
     return (m, total, acc, logits), dict(G=group, G_PAD=g_pad, GROUP=seen_by, DV=dv, NSPLIT=nsplit)

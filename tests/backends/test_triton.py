@@ -74,6 +74,31 @@ def test_decode_kernel_matches_literal_attention(device, storage, group, dim, ho
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_decode_kernel_is_one_compiled_first_pass_for_every_split_count(device):
+    """The first pass takes its split count from the grid (a new batch bucket on a GPU reuses the compiled kernel);
+    one sequence's attention is the literal one whether its slots are cut into 1, 2 or 4 splits."""
+    from h2o_kv.backends import triton_decode
+
+    assert "NSPLIT" not in triton_decode._partial.arg_names
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 4, 1, 16, generator=gen)
+    k, v = torch.randn(2, 2, 2, 75, 16, generator=gen)
+    pos = torch.randint(-1, 90, (2, 2, 75), generator=gen)
+    pos[..., 0] = 5
+    counts = []
+    for rows, heads in ((2, 2), (1, 2), (1, 1)):  # 4, 2 and 1 (sequence, KV head) programs of the first kind
+        qs, ks, vs, ps = q[:rows, : 2 * heads], k[:rows, :heads], v[:rows, :heads], pos[:rows, :heads]
+        counts.append(triton_decode.splits(rows * heads, 75, torch.device(device)))
+        out, scores, _ = triton_decode.decode_attend(qs.to(device), ks.to(device), vs.to(device), ps.to(device),
+                                                     scaling=0.25, want_scores=True)  # fmt: skip
+        ref_out, ref_scores, _ = literal(qs, ks, vs, (ps >= 0)[:, :, None], 0.25)
+        torch.testing.assert_close(out.cpu().double(), ref_out.transpose(1, 2), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(scores.cpu().double(), ref_scores, atol=1e-5, rtol=1e-5)
+    if device == "cpu":  # the interpreter's four programs: each shape its own split count
+        assert counts == [1, 2, 4]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("storage", ["float32", "int8", "float32-write"])
 @pytest.mark.parametrize("recent,ties,sinks", [(3, False, 0), (3, True, 0), (200, True, 0), (3, False, 20)])
 def test_decode_evict_matches_the_torch_step(device, storage, recent, ties, sinks):

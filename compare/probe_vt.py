@@ -1,12 +1,18 @@
-"""Which lines of a variable-tracking chain each policy keeps after the prompt (issue 40's vt probe).
+"""Which lines of a variable-tracking chain each policy keeps after the prompt (issue 40's vt probe, issue 52's).
 
 A vt prompt hides one chain, "VAR A = 12345." then "VAR B = VAR A." ... "VAR E = VAR D.", in filler text, and asks
-for every variable assigned 12345. This script reads exported samples (compare/kvpress/export_samples.py), records
-each prompt's prefill once, replays it into each policy's cache (h2o_kv.studies.eval.shared, as the study does) and
-counts, per chain line, the share of its tokens each (layer, KV head) still holds. The answer needs every line.
+for every variable assigned 12345. This script reads exported samples (compare/kvpress/export_samples.py; `--task`
+picks one task's from a file of several), records each prompt's prefill once (KVzip's pass once, where a policy
+reconstructs the context) and replays it into each policy's cache (h2o_kv.studies.eval.shared, as the study does),
+and counts, per chain line, the share of its tokens each (layer, KV head) still holds (`KVCache.kept_map`). The
+answer needs every line. `--setting agnostic` compresses the context alone (the question comes after it), as the
+RULER study's query-agnostic runs do; the budget is then a fraction of the context.
 
     OMP_NUM_THREADS=1 .venv/bin/python compare/probe_vt.py --samples compare/kvpress/samples-qwen-vt2k.jsonl \
         --n 10 --out results/qwen/probe-vt
+    OMP_NUM_THREADS=1 .venv/bin/python compare/probe_vt.py --task vt --setting agnostic \
+        --samples compare/kvpress/samples-ruler4k-qwen2.5-coder-0.5b.jsonl --configs kvzipwindow@0.25,keydiff@0.25 \
+        --n 5 --out /tmp/probe-vt-ruler
 """
 
 from __future__ import annotations
@@ -20,9 +26,9 @@ import torch
 
 import h2o_kv
 from h2o_kv.studies.eval.decoding import new_cache
-from h2o_kv.studies.eval.shared import record_prefill, replay
+from h2o_kv.studies.eval.shared import held_call, record_pass, record_prefill, replay, replay_pass
 
-CONFIGS = [(p, b) for b in (0.1, 0.2) for p in ("snapkv", "adakv", "h2o", "tova", "streamingllm")]
+CONFIGS = ",".join(f"{p}@{b}" for b in (0.1, 0.2) for p in ("snapkv", "adakv", "h2o", "tova", "streamingllm"))
 
 
 def token_spans(tokenizer, ids: list[int]) -> tuple[str, list[int]]:
@@ -46,41 +52,57 @@ def chain_tokens(text: str, ends: list[int], names: list[str]) -> list[list[int]
     return lines
 
 
-def kept_per_head(layer) -> list[set[int]]:
-    """The positions each KV head of a batch-1 layer holds (a head-pooled AdaKV layer tags each slot's head)."""
-    pos = layer.pos[0]
-    if layer.head is None:
-        return [set(row[row >= 0].tolist()) for row in pos]
-    head, heads = layer.head[0, 0], layer.kv_heads
-    return [set(pos[0][(head == h) & (pos[0] >= 0)].tolist()) for h in range(heads)]
+def line_shares(cache, lines: list[list[int]]) -> tuple[list[float], list[float]]:
+    """Per chain line: the share of its tokens the (layer, KV head) rows hold, and the share of rows holding all of
+    it (`KVCache.kept_map`: a head-pooled AdaKV layer's rows are its heads too)."""
+    kept_map = cache.kept_map(0)
+    real = torch.arange(kept_map.kept.shape[1])[None, :] < kept_map.heads[:, None]  # [layers, kv_heads]
+    tokens, whole = [], []
+    for line in lines:
+        held = kept_map.kept[:, :, line][real]  # [rows, len(line)]
+        tokens.append(held.float().mean().item())
+        whole.append(held.all(-1).float().mean().item())
+    return tokens, whole
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", required=True)
+    parser.add_argument("--task", help="only the samples of this task (a file of several tasks)")
+    parser.add_argument("--setting", choices=("aware", "agnostic"), default="aware",
+                        help="aware: the whole prompt compressed; agnostic: the context alone")  # fmt: skip
+    parser.add_argument("--configs", default=CONFIGS, help="POLICY@FRACTION, comma-separated")
     parser.add_argument("--n", type=int, default=10)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    samples = [json.loads(line) for line in Path(args.samples).read_text().splitlines()[: args.n]]
+    samples = [json.loads(line) for line in Path(args.samples).read_text().splitlines()]
+    samples = [s for s in samples if args.task in (None, s["task"])][: args.n]
+    configs = [(p, float(b)) for p, b in (c.split("@") for c in args.configs.split(","))]
     model, tokenizer = h2o_kv.load_model(samples[0]["model_dir"])
     shares: dict[str, list[list[float]]] = {}
     for sample in samples:
-        ids = sample["input_ids"]
+        ids = sample["input_ids"] if args.setting == "aware" else sample["context_ids"]
         text, ends = token_spans(tokenizer, ids)
         lines = chain_tokens(text, ends, sample["answers"])
-        _, calls = record_prefill(model, ids)
-        for policy, budget in CONFIGS:
-            cache = replay(new_cache(policy, budget, sample["context_tokens"]), calls)  # as the study resolves it
-            heads = [kept for layer in cache.layers for kept in kept_per_head(layer)]
-            tokens = [sum(len(kept.intersection(line)) for kept in heads) / (len(line) * len(heads)) for line in lines]
-            whole = [sum(kept.issuperset(line) for kept in heads) / len(heads) for line in lines]
-            shares.setdefault(f"{policy} {budget:.0%}", []).append(tokens + whole)
+        caches = {c: new_cache(c[0], c[1], len(ids)) for c in configs}  # as the study resolves them
+        passed = None
+        if any(getattr(cache.settings.policy, "reconstructs", False) for cache in caches.values()):
+            passed = record_pass(model, ids, tokenizer)
+        _, calls = held_call(passed) if passed is not None else record_prefill(model, ids)
+        for (policy, budget), cache in caches.items():
+            if getattr(cache.settings.policy, "reconstructs", False):
+                replay_pass(cache, passed[1])
+            else:
+                replay(cache, calls)
+                cache.end_prompt()
+            tokens, whole = line_shares(cache, lines)
+            shares.setdefault(f"{policy} {budget:.1%}", []).append(tokens + whole)
         print(f"{sample['id']}: done", flush=True)
     table = {key: [sum(col) / len(col) for col in zip(*rows)] for key, rows in shares.items()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(
-        json.dumps({"samples": args.samples, "n": len(samples), "shares": table}, indent=1)
+        json.dumps({"samples": args.samples, "setting": args.setting, "n": len(samples), "shares": table}, indent=1)
     )
     n = len(next(iter(table.values()))) // 2
     head = "| policy | " + " | ".join(f"line {i + 1}" for i in range(n)) + " |"
@@ -90,7 +112,8 @@ def main() -> None:
     ]
     (out / "table.md").write_text(
         f"Each chain line after the prompt: the share of its tokens held / the share of (layer, KV head) holding all "
-        f"of it; means over the {len(samples)} first samples of {Path(args.samples).name}. Line 1 holds the number "
+        f"of it; means over the {len(samples)} first samples of {Path(args.samples).name} ({args.setting}). Line 1 "
+        "holds the number "
         "the question names; the answer needs every line.\n\n"
         + "\n".join([head, "|" + " --- |" * (n + 1), *rows])
         + "\n"

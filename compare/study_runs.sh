@@ -15,6 +15,10 @@
 #   compare/study_runs.sh start ruler-0.5b-agnostic   # issue 52 step 1: RULER-4k, 0.5B, 4 fractions, 5 per task
 #   compare/study_runs.sh start ruler-0.5b-aware      # the same, the question inside the compressed prompt
 #   compare/study_runs.sh start kvpress-ruler-agnostic  # kvpress's presses on the same ids (-aware: that setting)
+#   compare/study_runs.sh start ruler-0.5b-25-aware   # issue 52 step 2: 25 % kept, 10 per task (5 reused); -agnostic
+#   compare/study_runs.sh start kvpress-ruler-25-aware  # kvpress's side of step 2 (ratio 0.75, 10 per task); -agnostic
+#   compare/study_runs.sh start ruler-1.5b-aware      # step 3: Qwen2.5-Coder-1.5B (`make qwen-1.5b`), 25 %, 5 per task
+#   compare/study_runs.sh start kvpress-ruler-1.5b-aware  # kvpress's side of step 3; -agnostic
 #   compare/study_runs.sh status               # running or not, and each h2o-kv run's answers so far
 #   compare/study_runs.sh stop                 # every run this script started
 set -euo pipefail
@@ -46,7 +50,7 @@ at_commit() {  # NAME COMMIT ARGS...: `h2o-kv ARGS` from a worktree of COMMIT, t
 
 case "${1:-status}" in
 start)
-  case "${2:?start what: h2o-0.5b, h2o-1.5b, kvpress-1.5b, ruler-0.5b-agnostic|aware or kvpress-ruler-agnostic|aware}" in
+  case "${2:?start what: h2o-0.5b, h2o-1.5b, kvpress-1.5b, ruler-0.5b[-25]-agnostic|aware, ruler-1.5b-..., kvpress-ruler[-25|-1.5b]-...}" in
   h2o-0.5b)
     at_commit h2o-0.5b 7963655 eval --model qwen2.5-coder-0.5b --size compress-once --threads 1 --resume \
       --out "$ROOT/results/compress-once/qwen2.5-coder-0.5b" ;;
@@ -61,9 +65,24 @@ start)
     at_commit "$2" 5cee28d eval --model qwen2.5-coder-0.5b --tasks retrieval --size ruler4k --threads 1 --resume \
       --setting "query-${2#ruler-0.5b-}" --policies "$RULER_POLICIES" --budgets 0.75,0.5,0.25,0.125 --samples 5 \
       --out "$ROOT/results/ruler/qwen2.5-coder-0.5b" ;;
+  ruler-0.5b-25-agnostic | ruler-0.5b-25-aware)  # step 2: the same cells at 25 % for samples 1-5, new ones 6-10
+    at_commit "$2" 5cee28d eval --model qwen2.5-coder-0.5b --tasks retrieval --size ruler4k --threads 1 --resume \
+      --setting "query-${2#ruler-0.5b-25-}" --policies "$RULER_POLICIES" --budgets 0.25 --samples 10 \
+      --out "$ROOT/results/ruler/qwen2.5-coder-0.5b" ;;
+  ruler-1.5b-agnostic | ruler-1.5b-aware)  # step 3
+    at_commit "$2" 5cee28d eval --model qwen2.5-coder-1.5b --tasks retrieval --size ruler4k --threads 1 --resume \
+      --setting "query-${2#ruler-1.5b-}" --policies "$RULER_POLICIES" --budgets 0.25 --samples 5 \
+      --out "$ROOT/results/ruler/qwen2.5-coder-1.5b" ;;
   kvpress-ruler-agnostic | kvpress-ruler-aware)
     (cd "$ROOT" && OMP_NUM_THREADS=1 detached "$2" nice -n 5 make -f compare/kvpress/Makefile kvpress-ruler \
       KVP_SETTING="query-${2#kvpress-ruler-}") ;;
+  kvpress-ruler-25-agnostic | kvpress-ruler-25-aware)
+    (cd "$ROOT" && OMP_NUM_THREADS=1 detached "$2" nice -n 5 make -f compare/kvpress/Makefile kvpress-ruler \
+      KVP_SETTING="query-${2#kvpress-ruler-25-}" KVP_RULER_N=10 KVP_RULER_RATIOS=0.75 \
+      KVP_RULER=compare/kvpress/samples-ruler4k-qwen2.5-coder-0.5b-n10.jsonl) ;;
+  kvpress-ruler-1.5b-agnostic | kvpress-ruler-1.5b-aware)
+    (cd "$ROOT" && OMP_NUM_THREADS=1 detached "$2" nice -n 5 make -f compare/kvpress/Makefile kvpress-ruler \
+      KVP_SETTING="query-${2#kvpress-ruler-1.5b-}" KVP_MODEL=qwen2.5-coder-1.5b KVP_RULER_RATIOS=0.75) ;;
   *) echo "study_runs.sh: no run named $2" >&2; exit 2 ;;
   esac ;;
 status)

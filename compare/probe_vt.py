@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ import torch
 import h2o_kv
 from h2o_kv.studies.eval.decoding import new_cache
 from h2o_kv.studies.eval.shared import held_call, record_pass, record_prefill, replay, replay_pass
+from h2o_kv.studies.report import commit
 
 CONFIGS = ",".join(f"{p}@{b}" for b in (0.1, 0.2) for p in ("snapkv", "adakv", "h2o", "tova", "streamingllm"))
 
@@ -110,11 +112,12 @@ def main() -> None:
         f"| {key} | " + " | ".join(f"{a:.2f} / {b:.2f}" for a, b in zip(v[:n], v[n:])) + " |"
         for key, v in table.items()
     ]
+    command = " ".join(["python compare/probe_vt.py", *sys.argv[1:]])
     (out / "table.md").write_text(
+        f"# Which lines of a vt chain each policy keeps ({args.setting})\n\n`{command}` at {commit()}, one thread\n\n"
         f"Each chain line after the prompt: the share of its tokens held / the share of (layer, KV head) holding all "
         f"of it; means over the {len(samples)} first samples of {Path(args.samples).name} ({args.setting}). Line 1 "
-        "holds the number "
-        "the question names; the answer needs every line.\n\n"
+        "holds the number the question names; the answer needs every line.\n\n"
         + "\n".join([head, "|" + " --- |" * (n + 1), *rows])
         + "\n"
     )

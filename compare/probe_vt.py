@@ -6,7 +6,9 @@ picks one task's from a file of several), records each prompt's prefill once (KV
 reconstructs the context) and replays it into each policy's cache (h2o_kv.studies.eval.shared, as the study does),
 and counts, per chain line, the share of its tokens each (layer, KV head) still holds (`KVCache.kept_map`). The
 answer needs every line. `--setting agnostic` compresses the context alone (the question comes after it), as the
-RULER study's query-agnostic runs do; the budget is then a fraction of the context.
+RULER study's query-agnostic runs do; the budget is then a fraction of the context. `--answers`: instead, each
+config's greedy answer and its RULER score (string_match_all), decoded as the study does (`shared_answers`), for a
+policy the study did not run.
 
     OMP_NUM_THREADS=1 .venv/bin/python compare/probe_vt.py --samples compare/kvpress/samples-qwen-vt2k.jsonl \
         --n 10 --out results/qwen/probe-vt
@@ -21,13 +23,15 @@ import argparse
 import json
 import re
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
 
 import h2o_kv
 from h2o_kv.studies.eval.decoding import new_cache
-from h2o_kv.studies.eval.shared import held_call, record_pass, record_prefill, replay, replay_pass
+from h2o_kv.studies.eval.ruler import string_match_all
+from h2o_kv.studies.eval.shared import held_call, record_pass, record_prefill, replay, replay_pass, shared_answers
 from h2o_kv.studies.report import commit
 
 CONFIGS = ",".join(f"{p}@{b}" for b in (0.1, 0.2) for p in ("snapkv", "adakv", "h2o", "tova", "streamingllm"))
@@ -75,12 +79,15 @@ def main() -> None:
                         help="aware: the whole prompt compressed; agnostic: the context alone")  # fmt: skip
     parser.add_argument("--configs", default=CONFIGS, help="POLICY@FRACTION, comma-separated")
     parser.add_argument("--n", type=int, default=10)
+    parser.add_argument("--answers", action="store_true", help="each config's answer and score, not its kept lines")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     samples = [json.loads(line) for line in Path(args.samples).read_text().splitlines()]
     samples = [s for s in samples if args.task in (None, s["task"])][: args.n]
     configs = [(p, float(b)) for p, b in (c.split("@") for c in args.configs.split(","))]
     model, tokenizer = h2o_kv.load_model(samples[0]["model_dir"])
+    if args.answers:
+        return answers(model, tokenizer, samples, configs, args)
     shares: dict[str, list[list[float]]] = {}
     for sample in samples:
         ids = sample["input_ids"] if args.setting == "aware" else sample["context_ids"]
@@ -122,6 +129,38 @@ def main() -> None:
         + "\n"
     )
     print((out / "table.md").read_text())
+
+
+def answers(model, tokenizer, samples: list[dict], configs: list[tuple[str, float]], args) -> None:
+    """Each config's answer to each sample and its score; their means to OUT/answers.md."""
+    scores: dict[str, list[float]] = {}
+    lines = []
+    for sample in samples:
+        aware = args.setting == "aware"
+        ids = sample["input_ids"] if aware else sample["context_ids"]
+        eos = set(sample["eos_token_id"] if isinstance(sample["eos_token_id"], list) else [sample["eos_token_id"]])
+        question = [] if aware else sample["question_ids"]
+        # as the study: the question and answer are appended to the compressed prompt, not made room for (headroom)
+        new = dict(length=len(ids), headroom=len(question) + sample["max_new_tokens"])
+        caches = {c: partial(new_cache, c[0], c[1], **new) for c in configs}
+        got = shared_answers(model, ids, caches, [question], max_new_tokens=sample["max_new_tokens"], eos=eos,
+                             tokenizer=tokenizer)  # fmt: skip
+        for (policy, budget), (outs, _) in got.items():
+            text = tokenizer.decode(outs[0], skip_special_tokens=True)
+            score = string_match_all(text, sample["answers"])
+            scores.setdefault(f"{policy} {budget:.1%}", []).append(score)
+            lines.append(f"| {sample['id']} | {policy} {budget:.1%} | {score:.2f} | {text.strip()[:70]!r} |")
+        print(f"{sample['id']}: done", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = " ".join(["python compare/probe_vt.py", *sys.argv[1:]])
+    means = [f"| {key} | {sum(v) / len(v):.2f} | {len(v)} |" for key, v in scores.items()]
+    (out / "answers.md").write_text(
+        f"# vt answers ({args.setting})\n\n`{command}` at {commit()}, one thread\n\n"
+        "| policy | score (string_match_all) | samples |\n| --- | --- | --- |\n" + "\n".join(means)
+        + "\n\n| sample | policy | score | answer |\n| --- | --- | --- | --- |\n" + "\n".join(lines) + "\n"
+    )  # fmt: skip
+    print((out / "answers.md").read_text())
 
 
 if __name__ == "__main__":

@@ -184,7 +184,8 @@ def main() -> None:
         help="h2o-kv eval's results.json (several: a later "
         "file's cells replace an earlier one's of the same task, context and budget)",
     )
-    parser.add_argument("--kvpress", required=True, nargs="+", help="run_kvpress.py's results.json (merged so too)")
+    parser.add_argument("--kvpress", nargs="*", default=[],
+                        help="run_kvpress.py's results.json (merged so too; none: h2o-kv's side alone)")  # fmt: skip
     parser.add_argument("--out", required=True, help="the markdown file to write")
     parser.add_argument("--prefill", default="oneshot", choices=("oneshot", "agnostic"),
                         help="h2o-kv's setting: the question in the prompt, or after it (compress-once)")  # fmt: skip

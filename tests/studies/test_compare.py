@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -87,7 +88,7 @@ def test_per_sample_pairs_samples_by_seed_and_names_those_that_differ(tmp_path):
     per-sample scores through the samples file's seeds, per budget, and refuses cells of another model."""
     seeds = [11, 12]
     cells = Cells(tmp_path / "cells", {"model": "/cache/models/qwen-a", "seed": 0})
-    for policy, budget, scores in (("tova", 0.1, [1.0, 0.0]), ("tova", 0.2, [1.0, 1.0]), ("h2o", 0.1, [0.0, 0.0])):
+    for policy, budget, scores in (("tova", 0.1, [1.0, 0.0]), ("tova", 0.2, [1.0, 1.0]), ("h2o", 0.1, [0.0, 1.0])):
         for seed, value in zip(seeds, scores, strict=True):
             name = {"kind": "retrieval-sample", "subtask": "niah_single", "context": 2048, "sample_seed": seed,
                     "policy": policy, "budget": budget}  # fmt: skip
@@ -111,9 +112,20 @@ def test_per_sample_pairs_samples_by_seed_and_names_those_that_differ(tmp_path):
     run = per_sample()
     assert run.returncode == 0, run.stderr
     assert run.stdout.splitlines() == [
-        "10% kept: 1 of 2 samples score the same",
+        "10% kept: 1 of 2 samples score the same, h2o-kv at or above in 1",
         "  niah-2048-1: h2o-kv 0.00, kvpress 1.00",
-        "20% kept: 1 of 1 samples score the same",
+        "20% kept: 1 of 1 samples score the same, h2o-kv at or above in 1",
+    ]
+    # the best bounded policy per sample against the best press, from the cells.jsonl a long run commits
+    lines = [(tmp_path / "cells" / name).read_text().strip() for name in sorted(os.listdir(tmp_path / "cells"))]
+    (tmp_path / "cells.jsonl").write_text("\n".join(lines) + "\n")
+    best = [sys.executable, COMPARE / "per_sample.py", "--h2o-cells", tmp_path / "cells.jsonl", "--policy", "best",
+            "--kvpress", results, "--press", "best", "--samples", tmp_path / "samples.jsonl"]  # fmt: skip
+    run = subprocess.run(list(map(str, best)), capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == [
+        "10% kept: 2 of 2 samples score the same, h2o-kv at or above in 2",
+        "20% kept: 1 of 1 samples score the same, h2o-kv at or above in 1",
     ]
     results.write_text(json.dumps({"meta": {"model_dir": "/cache/models/qwen-b"}, "cells": press}))
     run = per_sample()

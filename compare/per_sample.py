@@ -11,11 +11,10 @@
 side_by_side.py compares means; this says whether two methods answer the same samples right, which is what a
 claim like "kvpress's TOVA ranked per KV head is h2o-kv's TOVA" needs. `best` on either side: per sample, the best
 score of any bounded policy (or any press, whatever its bytes). `--setting`: RULER's cells of one setting (aware or
-agnostic). It reads h2o-kv's stored eval cells (one
-file per sample, policy and budget under `OUT/cells/`, written by `h2o-kv eval --out OUT`, or the same records in
-the `OUT/cells.jsonl` a long run commits), run_kvpress.py's results.json (per-sample scores) and the samples
-file it ran, pairs the samples by task, context and seed, and prints, per budget, how many pairs score the
-same and which differ.
+agnostic). It reads h2o-kv's stored eval cells (one file per sample, policy and budget under `OUT/cells/`, written
+by `h2o-kv eval --out OUT`, or the same records in the `OUT/cells.jsonl` a long run commits), run_kvpress.py's
+results.json (per-sample scores) and the samples file it ran, pairs the samples by task, context and seed, and
+prints, per budget, how many pairs score the same (and how many h2o-kv scores at least as well) and which differ.
 """
 
 from __future__ import annotations

@@ -95,11 +95,11 @@ def main() -> None:
         lines = chain_tokens(text, ends, sample["answers"])
         caches = {c: new_cache(c[0], c[1], len(ids)) for c in configs}  # as the study resolves them
         passed = None
-        if any(getattr(cache.settings.policy, "reconstructs", False) for cache in caches.values()):
+        if any(cache.policy.reconstructs for cache in caches.values()):
             passed = record_pass(model, ids, tokenizer)
         _, calls = held_call(passed) if passed is not None else record_prefill(model, ids)
         for (policy, budget), cache in caches.items():
-            if getattr(cache.settings.policy, "reconstructs", False):
+            if cache.policy.reconstructs:
                 replay_pass(cache, passed[1])
             else:
                 replay(cache, calls)

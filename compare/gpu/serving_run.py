@@ -12,8 +12,9 @@ inter-token gaps; tokens/s is every new token over the run's wall time; `prefill
 time between the engine's prefill work and its decode steps (each timed with the device drained before and after,
 which the engine itself never does, so the split costs a little time), and the decode calls split again into
 those that replayed a recording, recorded one or ran eagerly (`decode_calls`: seconds and counts);
-`triton_compiled` counts the Triton kernels compiled during the measured run, per kernel (each new batch bucket or
-slot count can take a new variant: the split count is a compile-time constant). Rows go to DIR/serving.jsonl.
+`triton_compiled` counts the Triton kernels compiled during the measured run, per kernel (a new batch bucket or
+slot count can take a new variant: the merge kernel's split count is a compile-time constant). Rows go to
+DIR/serving.jsonl.
 """
 
 from __future__ import annotations
@@ -83,16 +84,15 @@ def timed_phases(steps, device) -> dict:
 
 def triton_variants() -> dict[str, int]:
     """The compiled variants of each of h2o-kv's Triton kernels so far (none under the interpreter, which compiles
-    nothing): a JIT function keeps one per specialization in its per-device cache."""
+    nothing): a JIT function keeps one per specialization in its per-device cache (`decode_kernel_probe.compiled`).
+    Imported here, not at the top: a dry run sets TRITON_INTERPRET before the kernels are defined."""
+    from decode_kernel_probe import compiled
+
     from h2o_kv.backends import triton_decode, triton_evict, triton_scores
 
-    counts = {}
-    for module in (triton_decode, triton_evict, triton_scores):
-        for name, fn in vars(module).items():
-            caches = getattr(fn, "device_caches", None)
-            if isinstance(caches, dict):
-                counts[f"{module.__name__.rsplit('.', 1)[-1]}.{name}"] = sum(len(c[0]) for c in caches.values())
-    return counts
+    return {f"{module.__name__.rsplit('.', 1)[-1]}.{name}": len(compiled(fn))
+            for module in (triton_decode, triton_evict, triton_scores)
+            for name, fn in vars(module).items() if hasattr(fn, "device_caches")}  # fmt: skip
 
 
 def serve(model, tokenizer, policy: str, setup: dict, device) -> dict:

@@ -175,3 +175,31 @@ def test_side_by_side_averages_each_method_over_the_tasks_every_method_ran(tmp_p
     assert "### 10.0% of the prompt kept, 2 task(s)" in text and "h2o-kv h2o |" not in text.split("### qa_1")[0]
     assert "**kvzipwindow 0.300**, 40% of Full's mean (misses 90 %); at or above" in text
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    # strictly no more bytes: kvzip (0.75, Full's 400 bytes) against h2o-kv's best in 400 (kvzipwindow 0.700)
+    assert "| 25.0% | kvzip 0.750, 0.0 MiB | kvzipwindow at 25.0% kept: 0.700, 0.0 MiB | **below** |" in text
+
+
+def test_strict_bytes_compares_each_press_with_h2o_kvs_best_at_any_fraction_in_no_more_bytes():
+    """The bar read strictly: a press against h2o-kv's best policy at any fraction whose bytes are at most the
+    press's; the press h2o-kv does worst against is shown, and a press smaller than every h2o-kv row says so."""
+    sys.path.insert(0, str(COMPARE))
+    try:
+        from side_by_side import strict_bytes
+    finally:
+        sys.path.remove(str(COMPARE))
+    boards = {  # fraction: {(side, method): (mean, bytes, samples)}
+        0.5: {("h2o-kv", "snapkv"): (0.8, 50.0, 5), ("kvpress", "kvzip"): (0.9, 100.0, 5),
+              ("kvpress", "tova"): (0.6, 49.0, 5)},
+        0.25: {("h2o-kv", "snapkv"): (0.6, 26.0, 5), ("kvpress", "tova"): (0.5, 25.0, 5),
+               ("kvpress", "keydiff"): (0.7, 25.0, 5)},
+    }  # fmt: skip
+    text = "\n".join(strict_bytes(boards))
+    # at 50 %: kvzip (0.9 in 100) leads h2o-kv's best in 100 bytes (snapkv at 50 %, 0.8); tova (0.6 in 49) is
+    # smaller than every h2o-kv row but 26 bytes: h2o-kv's 25 % row (0.6) ties it, and kvzip's lead is the larger
+    assert "| 50.0% | kvzip 0.900, 0.0 MiB | snapkv at 50.0% kept: 0.800, 0.0 MiB | **below** |" in text
+    # at 25 %: both presses (25 bytes) are smaller than h2o-kv's smallest row (26): not comparable, the best named
+    assert "| 25.0% | keydiff 0.700, 0.0 MiB | none holds so few (its fewest: snapkv at 25.0% kept" in text
+    boards[0.5][("kvpress", "kvzip")] = (0.7, 100.0, 5)
+    assert "| 50.0% | tova 0.600, 0.0 MiB | snapkv at 25.0% kept: 0.600, 0.0 MiB | at or above |" in "\n".join(
+        strict_bytes(boards)
+    )

@@ -36,17 +36,28 @@ def h2o_cells(path: str, prefill: str = "oneshot") -> dict[tuple[str, int, float
         key = (r["subtask"], r["length"], round(r["budget_frac"], 6))
         entry = cells.setdefault(key, {}).setdefault(r["policy"], [None, None, r["n"]])
         entry[0 if r["metric"] == "score" else 1 if r["metric"] == "kv_bytes" else 2] = r["value"]
-    return {k: {p: tuple(v) for p, v in d.items()} for k, d in cells.items()}
+    cells = {k: {p: tuple(v) for p, v in d.items()} for k, d in cells.items()}
+    for (task, context, fraction), policies in cells.items():  # each fraction's Full from the same file: merged
+        full = cells.get((task, context, 1.0), {}).get("full")  # with another run, its Full stays with its cells
+        if fraction < 1.0 and full is not None:
+            policies["full"] = full
+    return cells
 
 
-def kvpress_cells(path: str) -> dict[tuple[str, int, float], dict[str, tuple[float, float, int]]]:
-    """The same shape from run_kvpress.py's results.json (Full at fraction 1.0)."""
+def kvpress_cells(path: str, first: dict | None = None) -> dict[tuple[str, int, float], dict[str, tuple]]:
+    """The same shape from run_kvpress.py's results.json (Full at fraction 1.0). `first`: {(task, context, fraction):
+    n}, a cell's samples cut to its first n (export_samples numbers them TASK-CONTEXT-NN; a smaller set is a prefix of
+    a larger one), so each mean is over the samples the other library's cell ran."""
     cells: dict = {}
     for c in json.loads(Path(path).read_text())["cells"].values():
-        samples = list(c["samples"].values())
+        fraction = 1.0 if c["ratio"] is None else kept_fraction(c["ratio"])
+        samples = list(c["samples"].items())
+        if first is not None:
+            n = first.get((c["task"], c["context"], fraction))
+            samples = [(k, v) for k, v in samples if n is None or int(k.rsplit("-", 1)[1]) < n]
+        samples = [v for _, v in samples]
         if not samples:
             continue
-        fraction = 1.0 if c["ratio"] is None else kept_fraction(c["ratio"])
         score = sum(s["score"] for s in samples) / len(samples)
         kv_bytes = sum(s["kv_bytes"] for s in samples) / len(samples)
         cells.setdefault((c["task"], c["context"], fraction), {})[c["press"]] = (score, kv_bytes, len(samples))
@@ -101,7 +112,7 @@ def averages(ours: dict, theirs: dict) -> tuple[list[str], dict]:
         methods = {("h2o-kv", p): [ours[k].get(p) for k in keys] for k in keys for p in ours[k] if p != "full"}
         methods |= {("kvpress", p): [theirs.get(k, {}).get(p) for k in keys] for k in keys for p in theirs.get(k, {})}
         methods = {m: v for m, v in methods.items() if all(x is not None for x in v)}  # every task ran
-        fulls = [ours.get((t, c, 1.0), {}).get("full") for t, c, _ in keys]
+        fulls = [ours[k].get("full") for k in keys]  # the Full of the run these cells came from
         if not methods or any(f is None for f in fulls):
             continue
         full = sum(f[0] for f in fulls) / len(fulls)
@@ -140,13 +151,14 @@ def strict_bytes(boards: dict[float, dict]) -> list[str]:
     bytes than the press (at the same fraction h2o-kv holds its 12 bytes a slot of bookkeeping more). Per fraction the
     press h2o-kv does worst against (the largest lead of the press), so one row says whether every press is met."""
     ours = [(f, name, v) for f, rows in boards.items() for (side, name), v in rows.items() if side == "h2o-kv"]
+    ours = [row for row in ours if row[2][1] is not None]  # bytes measured
     lines = []
     for fraction, rows in sorted(boards.items(), reverse=True):
         hardest = None  # (lead of the press, press, its (mean, bytes), h2o-kv's (fraction, policy, (mean, bytes)))
         for (side, press), (score, kv_bytes, _) in rows.items():
-            if side != "kvpress" or kv_bytes is None:
+            if side != "kvpress" or kv_bytes is None or not ours:
                 continue
-            fits = [row for row in ours if row[2][1] is not None and row[2][1] <= kv_bytes]
+            fits = [row for row in ours if row[2][1] <= kv_bytes]
             mine = max(fits, key=lambda row: (row[2][0], -row[2][1]), default=None)
             lead = (mine is None, score - (mine[2][0] if mine else 0.0))  # no h2o-kv row that small: first
             if hardest is None or lead > hardest[0]:
@@ -155,7 +167,7 @@ def strict_bytes(boards: dict[float, dict]) -> list[str]:
             continue
         (_, lead), press, (score, kv_bytes), mine = hardest
         if mine is None:
-            least = min((row for row in ours if row[2][1] is not None), key=lambda row: row[2][1])
+            least = min(ours, key=lambda row: row[2][1])
             ours_text = f"none holds so few (its fewest: {least[1]} at {least[0]:.1%} kept, {_mib(least[2][1])} MiB)"
             verdict = "not comparable"
         else:
@@ -228,6 +240,8 @@ def main() -> None:
     parser.add_argument("--prefill", default="oneshot", choices=("oneshot", "agnostic"),
                         help="h2o-kv's setting: the question in the prompt, or after it (compress-once)")  # fmt: skip
     parser.add_argument("--plot", help="a PNG of each method's mean score against the fraction kept")
+    parser.add_argument("--match-samples", action="store_true",
+                        help="each kvpress cell's mean over its first n samples, n: h2o-kv's count there")  # fmt: skip
     args = parser.parse_args()
     models = {path: model_of(path) for path in [*args.h2o, *args.kvpress]}
     if len(set(models.values()) - {None}) > 1:  # a table across models would compare nothing
@@ -236,8 +250,11 @@ def main() -> None:
     ours, theirs = {}, {}
     for path in args.h2o:
         ours |= h2o_cells(path, args.prefill)
+    first = None  # --match-samples: kvpress's cells cut to h2o-kv's sample count (Full: the largest one)
+    if args.match_samples:
+        first = {k: max(v[2] for v in cell.values()) for k, cell in ours.items()}
     for path in args.kvpress:
-        theirs |= kvpress_cells(path)
+        theirs |= kvpress_cells(path, first)
     sources = ", ".join(f"`{p}`" for p in [*args.h2o, *args.kvpress])
     lines = ["# h2o-kv and kvpress on the same samples (generated by compare/side_by_side.py; do not edit)", "",
              f"Model: `{model}`. Sources: {sources}. Score: RULER string match, mean over samples. KV MiB: "
@@ -248,7 +265,7 @@ def main() -> None:
     if args.plot:
         plot(curves, args.plot, f"{model}, {args.prefill}: mean over the tasks")
     for task, context, fraction in sorted(k for k in ours if k[2] < 1.0):
-        full = ours.get((task, context, 1.0), {}).get("full", (None,))[0]
+        full = ours[(task, context, fraction)].get("full", (None,))[0]
         press = {k: v for k, v in theirs.get((task, context, fraction), {}).items()}
         mine = {k: v for k, v in ours[(task, context, fraction)].items() if k != "full"}
         lines += table(task, context, fraction, mine, press, full)

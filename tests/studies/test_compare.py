@@ -64,6 +64,37 @@ def test_side_by_side_merges_runs_later_cells_replacing_earlier_ones(tmp_path):
     assert not (tmp_path / "t.md").exists()
 
 
+def test_side_by_side_keeps_each_runs_full_and_cuts_kvpress_to_the_same_samples(tmp_path):
+    """A run at 25 % with 10 samples merged over one at every fraction with 5: each fraction is read against the Full
+    of the run its cells came from, and with --match-samples each kvpress cell's mean is over its first n samples,
+    n being h2o-kv's count in that cell (kvpress's ids TASK-CONTEXT-NN, the same prefix of one sample set)."""
+
+    def ours(path, full, cells, n):
+        rows = [{"task": "retrieval", "prefill": "agnostic", "subtask": "qa_1", "length": 4096, "budget_frac": f,
+                 "policy": p, "metric": "score", "value": v, "n": n}
+                for (f, p), v in {(1.0, "full"): full, **cells}.items()]  # fmt: skip
+        path.write_text(json.dumps({"rows": rows}))
+
+    ours(tmp_path / "five.json", 0.8, {(0.5, "snapkv"): 0.8, (0.25, "snapkv"): 0.4}, 5)
+    ours(tmp_path / "ten.json", 0.5, {(0.25, "snapkv"): 0.45}, 10)
+    scores = {0.5: [0, 1, 1, 1, 1, 0, 0, 0, 0, 0], 0.75: [1] * 5 + [0] * 5}  # kvpress tova by ratio, samples 00-09
+    press = {f"{r}": {"press": "tova", "ratio": r, "task": "qa_1", "context": 4096,
+                      "samples": {f"qa_1-4096-{j:02d}": {"score": v, "kv_bytes": 1.0} for j, v in enumerate(vs)}}
+             for r, vs in scores.items()}  # fmt: skip
+    (tmp_path / "k.json").write_text(json.dumps({"cells": press}))
+    args = ["--h2o", tmp_path / "five.json", tmp_path / "ten.json", "--kvpress", tmp_path / "k.json", "--prefill",
+            "agnostic", "--match-samples", "--out", tmp_path / "s.md"]  # fmt: skip
+    subprocess.run([sys.executable, COMPARE / "side_by_side.py", *map(str, args)], check=True)
+    text = (tmp_path / "s.md").read_text()
+    assert "### 50.0% of the prompt kept, 1 task(s); Full 0.800" in text  # the five-sample run's Full
+    assert "### 25.0% of the prompt kept, 1 task(s); Full 0.500" in text  # the ten-sample run's
+    assert "| h2o-kv snapkv | 0.450 | 90% | n/a | 10 |" in text
+    assert "| kvpress tova | 0.800 | 100% | 0.0 | 5 |" in text  # ratio 0.5: samples 00-04 of its ten
+    assert "| kvpress tova | 0.500 | 100% | 0.0 | 10 |" in text  # ratio 0.75: all ten
+    per_task = text.split("### qa_1, 4096 tokens, 25% of the prompt")[1]  # the per-task tables read the same Fulls
+    assert "100% of Full's 0.80 (meets 90 %)" in per_task and "90% of Full's 0.50 (meets 90 %)" in per_task
+
+
 def test_side_by_side_reads_one_prefill_setting_and_any_kvpress_ratio(tmp_path):
     """`--prefill agnostic` (the compress-once study) reads h2o-kv's rows of that setting only, and kvpress's ratio
     0.75 is 25 % of the prompt kept (any ratio: 1 - ratio)."""

@@ -54,7 +54,7 @@ def kvpress_cells(path: str, first: dict | None = None) -> dict[tuple[str, int, 
         samples = list(c["samples"].items())
         if first is not None:
             n = first.get((c["task"], c["context"], fraction))
-            samples = [(k, v) for k, v in samples if n is None or int(k.rsplit("-", 1)[1]) < n]
+            samples = [(k, v) for k, v in samples if n is None or _index(k, path) < n]
         samples = [v for _, v in samples]
         if not samples:
             continue
@@ -62,6 +62,15 @@ def kvpress_cells(path: str, first: dict | None = None) -> dict[tuple[str, int, 
         kv_bytes = sum(s["kv_bytes"] for s in samples) / len(samples)
         cells.setdefault((c["task"], c["context"], fraction), {})[c["press"]] = (score, kv_bytes, len(samples))
     return cells
+
+
+def _index(sample: str, path: str) -> int:
+    """A sample's number in its task (export_samples' ids: TASK-CONTEXT-NN)."""
+    number = sample.rsplit("-", 1)[-1]
+    if not number.isdigit():
+        raise SystemExit(f"side_by_side.py: {path}: sample {sample!r} is not numbered (TASK-CONTEXT-NN): "
+                         "--match-samples cannot cut it")  # fmt: skip
+    return int(number)
 
 
 def model_of(path: str) -> str | None:

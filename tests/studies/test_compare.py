@@ -91,6 +91,12 @@ def test_side_by_side_keeps_each_runs_full_and_cuts_kvpress_to_the_same_samples(
     assert "| h2o-kv snapkv | 0.450 | 90% | n/a | 10 |" in text
     assert "| kvpress tova | 0.800 | 100% | 0.0 | 5 |" in text  # ratio 0.5: samples 00-04 of its ten
     assert "| kvpress tova | 0.500 | 100% | 0.0 | 10 |" in text  # ratio 0.75: all ten
+    bad = {"0": {**press["0.5"], "samples": {"first": {"score": 1.0, "kv_bytes": 1.0}}}}
+    (tmp_path / "bad.json").write_text(json.dumps({"cells": bad}))  # ids without numbers: refused in one line
+    args[args.index(tmp_path / "k.json")] = tmp_path / "bad.json"
+    run = subprocess.run([sys.executable, COMPARE / "side_by_side.py", *map(str, args)], capture_output=True, text=True)
+    assert run.returncode == 1 and run.stderr.strip().endswith("sample 'first' is not numbered (TASK-CONTEXT-NN): "
+                                                               "--match-samples cannot cut it")  # fmt: skip
     per_task = text.split("### qa_1, 4096 tokens, 25% of the prompt")[1]  # the per-task tables read the same Fulls
     assert "100% of Full's 0.80 (meets 90 %)" in per_task and "90% of Full's 0.50 (meets 90 %)" in per_task
 

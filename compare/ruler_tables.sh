@@ -56,7 +56,7 @@ if [ "$MODEL" = qwen2.5-coder-0.5b ]; then
     mv "$OUT/summary.md" "$OUT/summary-25-10.md"
     h2o+=("$OUT/results-25-10.json")
   fi
-  complete 5 0.125
+  for budget in 0.75 0.5 0.25 0.125; do complete 5 $budget; done
   eval_cells 5 0.75,0.5,0.25,0.125
 else
   complete 5 0.25

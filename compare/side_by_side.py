@@ -51,11 +51,8 @@ def kvpress_cells(path: str, first: dict | None = None) -> dict[tuple[str, int, 
     cells: dict = {}
     for c in json.loads(Path(path).read_text())["cells"].values():
         fraction = 1.0 if c["ratio"] is None else kept_fraction(c["ratio"])
-        samples = list(c["samples"].items())
-        if first is not None:
-            n = first.get((c["task"], c["context"], fraction))
-            samples = [(k, v) for k, v in samples if n is None or _index(k, path) < n]
-        samples = [v for _, v in samples]
+        n = None if first is None else first.get((c["task"], c["context"], fraction))
+        samples = [v for k, v in c["samples"].items() if n is None or _index(k, path) < n]
         if not samples:
             continue
         score = sum(s["score"] for s in samples) / len(samples)

@@ -48,13 +48,14 @@ eval_cells() {  # SAMPLES BUDGETS: h2o-kv's eval over both settings, every cell 
     --policies "$POLICIES" --budgets "$2" --samples "$1" --out "$OUT")
 }
 
-h2o=("$OUT/results.json")
+cd "$ROOT"  # the tables name their sources relative to the repository root
+h2o=("results/ruler/$MODEL/results.json")
 if [ "$MODEL" = qwen2.5-coder-0.5b ]; then
   if complete 10 0.25 2> /dev/null; then  # step 2
     eval_cells 10 0.25
     mv "$OUT/results.json" "$OUT/results-25-10.json"
     mv "$OUT/summary.md" "$OUT/summary-25-10.md"
-    h2o+=("$OUT/results-25-10.json")
+    h2o+=("results/ruler/$MODEL/results-25-10.json")
   fi
   for budget in 0.75 0.5 0.25 0.125; do complete 5 $budget; done
   eval_cells 5 0.75,0.5,0.25,0.125
@@ -64,9 +65,9 @@ else
 fi
 for setting in agnostic aware; do
   prefill=$([ "$setting" = agnostic ] && echo agnostic || echo oneshot)
-  theirs="$ROOT/results/ruler/kvpress-$MODEL-query-$setting/results.json"
+  theirs="results/ruler/kvpress-$MODEL-query-$setting/results.json"
   [ -e "$theirs" ] || echo "ruler_tables.sh: no kvpress run of the query-$setting setting yet: h2o-kv's side alone" >&2
-  "$ROOT/.venv/bin/python" "$ROOT/compare/side_by_side.py" --prefill "$prefill" --h2o "${h2o[@]}" --match-samples \
+  .venv/bin/python compare/side_by_side.py --prefill "$prefill" --h2o "${h2o[@]}" --match-samples \
     --kvpress $([ -e "$theirs" ] && echo "$theirs") \
-    --out "$ROOT/results/ruler/side_by_side-$MODEL-$setting.md" --plot "$ROOT/results/ruler/side_by_side-$MODEL-$setting.png"
+    --out "results/ruler/side_by_side-$MODEL-$setting.md" --plot "results/ruler/side_by_side-$MODEL-$setting.png"
 done

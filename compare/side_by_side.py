@@ -211,9 +211,10 @@ def plot(curves: dict[str, dict[float, float]], path: str, title: str) -> None:
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     methods = sorted({_method(name) for name in curves if name != "full"})
-    colors = {m: plt.get_cmap("tab20")(i % 20) for i, m in enumerate(methods)}
+    palette = plt.get_cmap("tab10" if len(methods) <= 10 else "tab20")  # tab10: no two methods in like shades
+    colors = {m: palette(i % palette.N) for i, m in enumerate(methods)}
     for name, points in sorted(curves.items()):
         if name == "full":
             ax.axhline(points[1.0], color="black", linewidth=1, label="Full")
@@ -221,10 +222,11 @@ def plot(curves: dict[str, dict[float, float]], path: str, title: str) -> None:
         xs = sorted(points)
         ax.plot(xs, [points[x] for x in xs], marker="o", linestyle="--" if name.startswith("kvpress") else "-",
                 color=colors[_method(name)], label=name)  # fmt: skip
+    ax.set_xticks(sorted({x for points in curves.values() for x in points if x < 1.0}))
     ax.set_xlabel("fraction of the prompt kept")
     ax.set_ylabel("mean score over the tasks")
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))  # beside the axes: no line hidden
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -137,11 +137,11 @@ def _oldest_lowest(prio, pos, slot):
     return low, oldest, tl.min(tl.where((prio == low) & (pos == oldest), slot, NEVER), 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["nsplit"])
 def _merge(M, L, ACC, LOGITS, OUT, SCORE, LAST, POS, NEXT, RECENT, SINKS, CP, CPOS, CSLOT, CCOUNT, CEMPTY,
            sob, soh, scb, sch, slb, slh, spb, sph,
-           heads, slots, tiles,
-           G: tl.constexpr, G_PAD: tl.constexpr, GROUP: tl.constexpr, DV: tl.constexpr, NSPLIT: tl.constexpr,
+           heads, slots, tiles, nsplit,
+           G: tl.constexpr, G_PAD: tl.constexpr, GROUP: tl.constexpr, DV: tl.constexpr,
            BLOCK: tl.constexpr, WANT_SCORES: tl.constexpr, WANT_LAST: tl.constexpr, EVICT: tl.constexpr,
            HOLES: tl.constexpr, HAS_SINKS: tl.constexpr):  # fmt: skip
     """One program per row and tile of BLOCK slots (many short programs: the merge is latency-bound). Each finds
@@ -149,24 +149,26 @@ def _merge(M, L, ACC, LOGITS, OUT, SCORE, LAST, POS, NEXT, RECENT, SINKS, CP, CP
     its probabilities to the scores in place and leaves its eviction candidate (the oldest of its lowest
     priorities: the score, +inf for the protected newest positions, the sinks and, with HOLES, empty slots) for `_pick`;
     with HOLES also its count of kept tokens (CCOUNT) and its first empty slot (CEMPTY). LAST is a slot's probability
-    averaged over the GROUP query heads that see it."""
+    averaged over the GROUP query heads that see it. `nsplit`, the first pass's split count, is a plain argument
+    (not specialised), so a new batch bucket, which changes it, reuses the compiled kernel; its loops are unrolled
+    by 8 so that the splits' loads are in flight together, as they were when the count was a constant."""
     bh = tl.program_id(0)
     b, h, tile = bh // heads, bh % heads, tl.program_id(1)
     g = tl.arange(0, G_PAD)
     dv = tl.arange(0, DV)
     grows = g < G
     top = tl.full([G_PAD], float("-inf"), tl.float32)
-    for i in range(NSPLIT):
-        top = tl.maximum(top, tl.load(M + (bh * NSPLIT + i) * G_PAD + g))
+    for i in tl.range(0, nsplit, loop_unroll_factor=8):
+        top = tl.maximum(top, tl.load(M + (bh * nsplit + i) * G_PAD + g))
     top = tl.where(top == float("-inf"), 0.0, top)
     total = tl.zeros([G_PAD], tl.float32)
-    for i in range(NSPLIT):
-        row = (bh * NSPLIT + i) * G_PAD + g
+    for i in tl.range(0, nsplit, loop_unroll_factor=8):
+        row = (bh * nsplit + i) * G_PAD + g
         total += tl.load(L + row) * tl.exp(tl.load(M + row) - top)
     if tile == 0:  # the first tile also merges the output
         acc = tl.zeros([G_PAD, DV], tl.float32)
-        for i in range(NSPLIT):
-            row = (bh * NSPLIT + i) * G_PAD + g
+        for i in tl.range(0, nsplit, loop_unroll_factor=8):
+            row = (bh * nsplit + i) * G_PAD + g
             acc += tl.load(ACC + row[:, None] * DV + dv[None, :]) * tl.exp(tl.load(M + row) - top)[:, None]
         out = acc / tl.maximum(total, 1e-30)[:, None]
         tl.store(OUT + b * sob + (h * G + g)[:, None] * soh + dv[None, :], out.to(OUT.dtype.element_ty),
@@ -294,7 +296,7 @@ def _partials(q, keys, values, pos, key_scale, value_scale, scaling, write=None,
         HAS_POS=pos is not None, POOLED=slot_head is not None, INT8=int8, IEEE=q.dtype == torch.float32,
         WRITE=write is not None, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
     )  # fmt: skip
-    return (m, total, acc, logits), dict(G=group, G_PAD=g_pad, GROUP=seen_by, DV=dv, NSPLIT=nsplit)
+    return (m, total, acc, logits), nsplit, dict(G=group, G_PAD=g_pad, GROUP=seen_by, DV=dv)
 
 
 def _merge_grid(batch: int, heads: int, slots: int, device: torch.device) -> tuple[int, int, int]:
@@ -321,8 +323,8 @@ def _decode_op(
     heads, slots, dv = keys.shape[1], keys.shape[2], values.shape[-1]
     if slot_head is not None and (heads != 1 or q_heads % kv_heads or slot_head.stride(-1) != 1):
         raise ValueError("a head-pooled row is one storage row (H = 1), slot_head contiguous, Hq kv_heads' multiple")
-    stats, meta = _partials(q, keys, values, pos, key_scale, value_scale, scaling, slot_head=slot_head,
-                            kv_heads=kv_heads)  # fmt: skip
+    stats, nsplit, meta = _partials(q, keys, values, pos, key_scale, value_scale, scaling, slot_head=slot_head,
+                                    kv_heads=kv_heads)  # fmt: skip
     out = torch.empty(batch, q_heads, dv, dtype=q.dtype, device=q.device)
     f32 = dict(dtype=torch.float32, device=q.device)
     scores = torch.empty(batch, heads, slots if want_scores else 0, **f32)
@@ -331,8 +333,8 @@ def _decode_op(
     none = stats[0]
     _merge[grid](*stats, out, scores, last, none, none, none, none, none, none, none, none, none,
                  out.stride(0), out.stride(1), scores.stride(0), scores.stride(1), last.stride(0), last.stride(1), 0, 0,
-                 heads, slots, tiles, **meta, BLOCK=block, WANT_SCORES=want_scores, WANT_LAST=want_last, EVICT=False,
-                 HOLES=False, HAS_SINKS=False, num_warps=4)  # fmt: skip
+                 heads, slots, tiles, nsplit, **meta, BLOCK=block, WANT_SCORES=want_scores, WANT_LAST=want_last,
+                 EVICT=False, HOLES=False, HAS_SINKS=False, num_warps=4)  # fmt: skip
     return out.view(batch, 1, q_heads, dv), scores, last
 
 

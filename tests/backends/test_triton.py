@@ -74,12 +74,16 @@ def test_decode_kernel_matches_literal_attention(device, storage, group, dim, ho
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_decode_kernel_is_one_compiled_first_pass_for_every_split_count(device):
-    """The first pass takes its split count from the grid (a new batch bucket on a GPU reuses the compiled kernel);
-    one sequence's attention is the literal one whether its slots are cut into 1, 2 or 4 splits."""
+def test_decode_kernels_compile_once_for_every_split_count(device):
+    """The first pass takes its split count from the grid and the merge as a plain, unspecialised argument (a new
+    batch bucket on a GPU reuses both compiled kernels); one sequence's attention is the literal one whether its
+    slots are cut into 1, 2 or 4 splits."""
     from h2o_kv.backends import triton_decode
 
-    assert "NSPLIT" not in triton_decode._partial.arg_names
+    assert "NSPLIT" not in triton_decode._partial.arg_names + triton_decode._merge.arg_names
+    merge = triton_decode._merge
+    flags = merge.kwargs["do_not_specialize"] if hasattr(merge, "kwargs") else merge.do_not_specialize  # interpreted
+    assert "nsplit" in flags
     gen = torch.Generator().manual_seed(7)
     q = torch.randn(2, 4, 1, 16, generator=gen)
     k, v = torch.randn(2, 2, 2, 75, 16, generator=gen)

@@ -19,6 +19,7 @@
 #   compare/study_runs.sh start kvpress-ruler-25-aware  # kvpress's side of step 2 (ratio 0.75, 10 per task); -agnostic
 #   compare/study_runs.sh start ruler-1.5b-aware      # step 3: Qwen2.5-Coder-1.5B (`make qwen-1.5b`), 25 %, 5 per task
 #   compare/study_runs.sh start kvpress-ruler-1.5b-aware  # kvpress's side of step 3; -agnostic
+#   compare/study_runs.sh queue A B C          # B once A ends (A started now unless running), then C: one core's plan
 #   compare/study_runs.sh status               # running or not, and each h2o-kv run's answers so far
 #   compare/study_runs.sh stop                 # every run this script started
 set -euo pipefail
@@ -85,6 +86,21 @@ start)
       KVP_SETTING="query-${2#kvpress-ruler-1.5b-}" KVP_MODEL=qwen2.5-coder-1.5b KVP_RULER_RATIOS=0.75) ;;
   *) echo "study_runs.sh: no run named $2" >&2; exit 2 ;;
   esac ;;
+queue)  # NAME...: each started when the one before it ends; the first started now unless it is running
+  shift
+  [ $# -ge 1 ] || { echo "study_runs.sh: queue NAME [NAME...]" >&2; exit 2; }
+  RUNS=$RUNS detached "queue-$1" bash -c 'for name in "$@"; do
+      pid="$RUNS/$name.pid"
+      if ! { [ -e "$pid" ] && kill -0 "$(cat "$pid")" 2> /dev/null; }; then
+        rm -f "$pid"
+        echo "$(date -u +%FT%TZ) start $name"
+        "$0" start "$name" || exit 1
+        while [ ! -e "$pid" ]; do sleep 1; done
+      fi
+      while kill -0 "$(cat "$pid")" 2> /dev/null; do sleep ${QUEUE_POLL:-60}; done
+      echo "$(date -u +%FT%TZ) $name ended"
+    done' "$ROOT/compare/study_runs.sh" "$@"
+  echo "queued: $*" ;;
 status)
   for pid in "$RUNS"/*.pid; do
     [ -e "$pid" ] || continue
@@ -102,10 +118,10 @@ least = {press: min(k for (p, _), k in n.items() if p == press) for press, _ in 
 print("%s: samples per press (its least answered ratio) %s" % (sys.argv[1], least))' "$done_"
   done ;;
 stop)
-  for pid in "$RUNS"/*.pid; do
+  for pid in "$RUNS"/queue-*.pid "$RUNS"/*.pid; do  # the queues first, so that none starts a run being stopped
     [ -e "$pid" ] || continue
     kill -- -"$(cat "$pid")" 2> /dev/null || kill "$(cat "$pid")" 2> /dev/null || true  # its process group (setsid)
     rm -f "$pid"
   done ;;
-*) echo "study_runs.sh: start NAME, status or stop" >&2; exit 2 ;;
+*) echo "study_runs.sh: start NAME, queue NAME..., status or stop" >&2; exit 2 ;;
 esac

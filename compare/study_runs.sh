@@ -97,7 +97,7 @@ queue)  # NAME...: each started when the one before it ends; the first started n
         "$0" start "$name" || exit 1
         while [ ! -e "$pid" ]; do sleep 1; done
       fi
-      while kill -0 "$(cat "$pid")" 2> /dev/null; do sleep ${QUEUE_POLL:-60}; done
+      while kill -0 "$(cat "$pid")" 2> /dev/null; do sleep 60; done
       echo "$(date -u +%FT%TZ) $name ended"
     done' "$ROOT/compare/study_runs.sh" "$@"
   echo "queued: $*" ;;

@@ -296,7 +296,7 @@ def _partials(q, keys, values, pos, key_scale, value_scale, scaling, write=None,
         HAS_POS=pos is not None, POOLED=slot_head is not None, INT8=int8, IEEE=q.dtype == torch.float32,
         WRITE=write is not None, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
     )  # fmt: skip
-    return (m, total, acc, logits), nsplit, dict(G=group, G_PAD=g_pad, GROUP=seen_by, DV=dv)
+    return (m, total, acc, logits), dict(nsplit=nsplit, G=group, G_PAD=g_pad, GROUP=seen_by, DV=dv)
 
 
 def _merge_grid(batch: int, heads: int, slots: int, device: torch.device) -> tuple[int, int, int]:
@@ -323,8 +323,8 @@ def _decode_op(
     heads, slots, dv = keys.shape[1], keys.shape[2], values.shape[-1]
     if slot_head is not None and (heads != 1 or q_heads % kv_heads or slot_head.stride(-1) != 1):
         raise ValueError("a head-pooled row is one storage row (H = 1), slot_head contiguous, Hq kv_heads' multiple")
-    stats, nsplit, meta = _partials(q, keys, values, pos, key_scale, value_scale, scaling, slot_head=slot_head,
-                                    kv_heads=kv_heads)  # fmt: skip
+    stats, meta = _partials(q, keys, values, pos, key_scale, value_scale, scaling, slot_head=slot_head,
+                            kv_heads=kv_heads)  # fmt: skip
     out = torch.empty(batch, q_heads, dv, dtype=q.dtype, device=q.device)
     f32 = dict(dtype=torch.float32, device=q.device)
     scores = torch.empty(batch, heads, slots if want_scores else 0, **f32)
@@ -333,8 +333,8 @@ def _decode_op(
     none = stats[0]
     _merge[grid](*stats, out, scores, last, none, none, none, none, none, none, none, none, none,
                  out.stride(0), out.stride(1), scores.stride(0), scores.stride(1), last.stride(0), last.stride(1), 0, 0,
-                 heads, slots, tiles, nsplit, **meta, BLOCK=block, WANT_SCORES=want_scores, WANT_LAST=want_last,
-                 EVICT=False, HOLES=False, HAS_SINKS=False, num_warps=4)  # fmt: skip
+                 heads, slots, tiles, **meta, BLOCK=block, WANT_SCORES=want_scores, WANT_LAST=want_last, EVICT=False,
+                 HOLES=False, HAS_SINKS=False, num_warps=4)  # fmt: skip
     return out.view(batch, 1, q_heads, dv), scores, last
 
 

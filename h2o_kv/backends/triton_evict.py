@@ -89,7 +89,7 @@ def decode_evict(
         ]
         write = (last_dim(new_key), last_dim(new_value), vacant, new_pos.reshape(batch).contiguous(), *scales, pos)
     holes = capacity is not None
-    stats, nsplit, meta = _partials(q, keys, values, pos if holes else None, key_scale, value_scale, scaling, write)
+    stats, meta = _partials(q, keys, values, pos if holes else None, key_scale, value_scale, scaling, write)
     out = torch.empty(batch, q_heads, dv, dtype=q.dtype, device=q.device)
     grid, block, tiles = _merge_grid(batch, heads, slots, q.device)
     cand_prio = torch.empty(batch * heads * tiles, dtype=torch.float32, device=q.device)
@@ -101,7 +101,7 @@ def decode_evict(
     cap = capacity.reshape(batch).contiguous() if holes else next_pos
     _merge[grid](*stats, out, score, score, pos, next_pos, recent, sinks, cand_prio, cand_pos, cand_slot, count, empty,
                  out.stride(0), out.stride(1), score.stride(0), score.stride(1), 0, 0, pos.stride(0), pos.stride(1),
-                 heads, slots, tiles, nsplit, **meta, BLOCK=block, WANT_SCORES=False, WANT_LAST=False, EVICT=True,
+                 heads, slots, tiles, **meta, BLOCK=block, WANT_SCORES=False, WANT_LAST=False, EVICT=True,
                  HOLES=holes, HAS_SINKS=has_sinks, num_warps=4)  # fmt: skip
     _pick[(batch * heads,)](cand_prio, cand_pos, cand_slot, count, empty, cap, pos, score, vacant, pos.stride(0),
                             pos.stride(1), score.stride(0), score.stride(1), vacant.stride(0), vacant.stride(1), heads,

@@ -8,13 +8,18 @@ and counts, per chain line, the share of its tokens each (layer, KV head) still 
 answer needs every line. `--setting agnostic` compresses the context alone (the question comes after it), as the
 RULER study's query-agnostic runs do; the budget is then a fraction of the context. `--answers`: instead, each
 config's greedy answer and its RULER score (string_match_all), decoded as the study does (`shared_answers`), for a
-policy the study did not run.
+policy the study did not run. A config's policy may name a field of its own after a colon, `keydiff:recent=0@0.25`
+(KeyDiff without its newest prompt tokens kept whatever their rank: the paper's rule, and kvpress's).
 
     OMP_NUM_THREADS=1 .venv/bin/python compare/probe_vt.py --samples compare/kvpress/samples-qwen-vt2k.jsonl \
         --n 10 --out results/qwen/probe-vt
     OMP_NUM_THREADS=1 .venv/bin/python compare/probe_vt.py --task vt --setting agnostic \
         --samples compare/kvpress/samples-ruler4k-qwen2.5-coder-0.5b.jsonl --configs kvzipwindow@0.25,keydiff@0.25 \
         --n 5 --out /tmp/probe-vt-ruler
+    OMP_NUM_THREADS=1 .venv/bin/python compare/probe_vt.py --task vt --answers \
+        --samples compare/kvpress/samples-ruler4k-qwen2.5-coder-0.5b.jsonl \
+        --configs keydiff@0.125,keydiff:recent=0@0.125,keydiff@0.25,keydiff:recent=0@0.25 --n 5 \
+        --out results/ruler/probe-vt-keydiff
 """
 
 from __future__ import annotations
@@ -23,18 +28,30 @@ import argparse
 import json
 import re
 import sys
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
 import torch
 
 import h2o_kv
+from h2o_kv.cache.kvcache import KVCache
+from h2o_kv.policies import budget_tokens, build
 from h2o_kv.studies.eval.decoding import new_cache
 from h2o_kv.studies.eval.ruler import string_match_all
 from h2o_kv.studies.eval.shared import held_call, record_pass, record_prefill, replay, replay_pass, shared_answers
 from h2o_kv.studies.report import commit
 
 CONFIGS = ",".join(f"{p}@{b}" for b in (0.1, 0.2) for p in ("snapkv", "adakv", "h2o", "tova", "streamingllm"))
+
+
+def config_cache(config: str, budget: float, length: int, headroom: int = 0) -> KVCache:
+    """`new_cache` as the study resolves it; with `POLICY:FIELD=N`, that policy with its field replaced."""
+    name, _, field = config.partition(":")
+    if not field:
+        return new_cache(name, budget, length, headroom=headroom)
+    key, value = field.split("=")
+    return KVCache(replace(build(name, budget_tokens(budget, length)), **{key: int(value)}), headroom=headroom)
 
 
 def token_spans(tokenizer, ids: list[int]) -> tuple[str, list[int]]:
@@ -93,7 +110,7 @@ def main() -> None:
         ids = sample["input_ids"] if args.setting == "aware" else sample["context_ids"]
         text, ends = token_spans(tokenizer, ids)
         lines = chain_tokens(text, ends, sample["answers"])
-        caches = {c: new_cache(c[0], c[1], len(ids)) for c in configs}  # as the study resolves them
+        caches = {c: config_cache(c[0], c[1], len(ids)) for c in configs}  # as the study resolves them
         passed = None
         if any(cache.policy.reconstructs for cache in caches.values()):
             passed = record_pass(model, ids, tokenizer)
@@ -142,7 +159,7 @@ def answers(model, tokenizer, samples: list[dict], configs: list[tuple[str, floa
         question = [] if aware else sample["question_ids"]
         # as the study: the question and answer are appended to the compressed prompt, not made room for (headroom)
         new = dict(length=len(ids), headroom=len(question) + sample["max_new_tokens"])
-        caches = {c: partial(new_cache, c[0], c[1], **new) for c in configs}
+        caches = {c: partial(config_cache, c[0], c[1], **new) for c in configs}
         got = shared_answers(model, ids, caches, [question], max_new_tokens=sample["max_new_tokens"], eos=eos,
                              tokenizer=tokenizer)  # fmt: skip
         for (policy, budget), (outs, _) in got.items():

@@ -8,8 +8,9 @@ and counts, per chain line, the share of its tokens each (layer, KV head) still 
 answer needs every line. `--setting agnostic` compresses the context alone (the question comes after it), as the
 RULER study's query-agnostic runs do; the budget is then a fraction of the context. `--answers`: instead, each
 config's greedy answer and its RULER score (string_match_all), decoded as the study does (`shared_answers`), for a
-policy the study did not run. A config's policy may name a field of its own after a colon, `keydiff:recent=0@0.25`
-(KeyDiff without its newest prompt tokens kept whatever their rank: the paper's rule, and kvpress's).
+policy the study did not run. A config's policy may replace fields of its own, each after a colon:
+`keydiff:recent=0@0.25` (KeyDiff without its newest prompt tokens kept whatever their rank: the paper's rule, and
+kvpress's), `snapkv:window=64:pool=5@0.25` (kvpress's SnapKV settings).
 
     OMP_NUM_THREADS=1 .venv/bin/python compare/probe_vt.py --samples compare/kvpress/samples-qwen-vt2k.jsonl \
         --n 10 --out results/qwen/probe-vt
@@ -46,12 +47,12 @@ CONFIGS = ",".join(f"{p}@{b}" for b in (0.1, 0.2) for p in ("snapkv", "adakv", "
 
 
 def config_cache(config: str, budget: float, length: int, headroom: int = 0) -> KVCache:
-    """`new_cache` as the study resolves it; with `POLICY:FIELD=N`, that policy with its field replaced."""
-    name, _, field = config.partition(":")
-    if not field:
+    """`new_cache` as the study resolves it; with `POLICY:FIELD=N[:FIELD=N]`, that policy with those fields replaced."""
+    name, *fields = config.split(":")
+    if not fields:
         return new_cache(name, budget, length, headroom=headroom)
-    key, value = field.split("=")
-    return KVCache(replace(build(name, budget_tokens(budget, length)), **{key: int(value)}), headroom=headroom)
+    values = {key: int(value) for key, value in (field.split("=") for field in fields)}
+    return KVCache(replace(build(name, budget_tokens(budget, length)), **values), headroom=headroom)
 
 
 def token_spans(tokenizer, ids: list[int]) -> tuple[str, list[int]]:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from h2o_kv.studies.eval.cells import Cells
 
 COMPARE = Path(__file__).resolve().parents[2] / "compare"
@@ -240,3 +242,21 @@ def test_strict_bytes_compares_each_press_with_h2o_kvs_best_at_any_fraction_in_n
     assert "| 50.0% | tova 0.600, 0.0 MiB | snapkv at 25.0% kept: 0.600, 0.0 MiB | at or above |" in "\n".join(
         strict_bytes(boards)
     )
+
+
+def test_probe_vt_replaces_the_named_fields_of_the_policy_the_study_builds():
+    """`probe_vt.py`'s `POLICY:FIELD=N` configs: the study's policy and budget with only those fields changed; a
+    plain name is the study's cache; a field the policy lacks is an error, not ignored."""
+    sys.path.insert(0, str(COMPARE))
+    try:
+        from probe_vt import config_cache
+    finally:
+        sys.path.remove(str(COMPARE))
+    study = config_cache("snapkv", 0.25, 400, headroom=7)
+    assert (study.policy.window, study.policy.pool, study.policy.budget) == (32, 31, 100)
+    probe = config_cache("snapkv:window=64:pool=5", 0.25, 400, headroom=7)
+    assert (probe.policy.window, probe.policy.pool, probe.policy.budget) == (64, 5, 100)
+    assert config_cache("keydiff:recent=0", 0.125, 400).policy.recent == 0
+    assert config_cache("keydiff", 0.125, 400).policy.recent == 8
+    with pytest.raises(TypeError):
+        config_cache("keydiff:pool=5", 0.25, 400)

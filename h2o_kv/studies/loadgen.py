@@ -26,7 +26,8 @@ import numpy as np
 
 from h2o_kv import policies
 from h2o_kv.cache.formats import KV_DTYPES
-from h2o_kv.runtime.serve.launch import free_port, launch_server, served_model
+from h2o_kv.runtime.ports import free_port
+from h2o_kv.runtime.serve.launch import launch_server, served_model
 from h2o_kv.studies.report import command_line, environment
 
 DEFAULT_CONFIGS = "h2o:0.2,full"

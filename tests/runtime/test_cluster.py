@@ -27,7 +27,7 @@ import httpx  # noqa: E402
 import psutil  # noqa: E402
 
 from h2o_kv.runtime.cluster.launch import running_cluster  # noqa: E402
-from h2o_kv.runtime.serve.launch import free_port  # noqa: E402
+from h2o_kv.runtime.ports import free_port  # noqa: E402
 from h2o_kv.runtime.serve.requests import Limits  # noqa: E402
 
 from serve_helpers import MODEL, tiny_model, wait_for  # noqa: E402

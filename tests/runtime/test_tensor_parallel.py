@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from tp_worker import run, run_cli
 
 from h2o_kv.runtime.distributed import check_tp
 from h2o_kv.runtime.models import load_model
+from h2o_kv.runtime.ports import free_port
 
 PROCESSES = 2
 TIMEOUT_S = 180  # per torchrun launch; a healthy one takes ~15 s on a busy 2-core machine
@@ -56,12 +56,6 @@ def save_tiny_llama(path: Path, heads: int = 4, kv_heads: int = 2, weights: bool
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def torchrun(*args: str) -> subprocess.CompletedProcess:
     """Run `args` under `torchrun --nproc-per-node 2` on this machine's loopback only; fail with its stderr."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", PYTHONIOENCODING="utf-8")
@@ -70,7 +64,7 @@ def torchrun(*args: str) -> subprocess.CompletedProcess:
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT"):
         env.pop(name, None)
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={PROCESSES}"]
-    command += ["--master-addr=127.0.0.1", f"--master-port={_free_port()}", *args]
+    command += ["--master-addr=127.0.0.1", f"--master-port={free_port()}", *args]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert done.returncode == 0, f"torchrun failed ({done.returncode}):\n{done.stderr[-4000:]}"
     return done

@@ -1,6 +1,6 @@
 """Start the cluster server: a Ray (a private one on 127.0.0.1, or `--ray-address`), Serve's HTTP proxy on
 --host/--port, and the gateway over `replicas` engine replicas (gateway.build); drain it and stop everything it
-started. `running_cluster` does the same for tests and the serving study, on an ephemeral loopback port.
+started. `running_cluster` does the same for tests and the serving study, on a free loopback port.
 
 The private Ray is always a new one (`address="local"`: never a `ray start` cluster or RAY_ADDRESS) with a temp
 dir of its own. Every process it starts (GCS, raylet, agents, workers, replicas) inherits `MARK` naming that
@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from h2o_kv.runtime.serve.launch import free_port
+from h2o_kv.runtime.ports import free_port
 
 APP = "h2o-kv"
 MARK = "H2O_KV_RAY_DIR"  # in the environment of every process of a private Ray: its temp dir
@@ -236,7 +236,7 @@ def serve_forever(*, drain_timeout: float = 30.0, **settings) -> None:
 @contextmanager
 def running_cluster(model: str, *, replicas: int, engine: dict, limits, api_keys=(), served_name: str = "tiny",
                     ) -> Iterator[str]:  # fmt: skip
-    """A cluster server on an ephemeral 127.0.0.1 port: yields its base URL; stopped on exit."""
+    """A cluster server on a free 127.0.0.1 port (free_port): yields its base URL; stopped on exit."""
     port = free_port()
     cluster = Cluster()
     try:

@@ -1,4 +1,4 @@
-"""Start `h2o-kv serve` as a child process on an ephemeral 127.0.0.1 port (the load generator's server)."""
+"""Start `h2o-kv serve` as a child process on a free 127.0.0.1 port (the load generator's server)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import collections
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,13 +17,6 @@ import httpx
 
 # the one-process server's uvicorn line, or the cluster's (`serve --replicas`)
 _ADDRESS = re.compile(r"(?:Uvicorn running on|replica\(s\) ready at) http://127\.0\.0\.1:(\d+)")
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (for servers that cannot bind port 0 themselves, such as Ray Serve's)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def served_model(url: str) -> str:

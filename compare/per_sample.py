@@ -1,8 +1,7 @@
 """One h2o-kv policy and one kvpress press on the same samples, sample by sample.
 
     python compare/per_sample.py --h2o-cells results/qwen/h2o-kv-8k/cells --policy tova \\
-        --kvpress results/qwen/kvpress-8k-settings/results.json --press tova_per_kv_head \\
-        --samples compare/kvpress/samples-qwen-8k.jsonl
+        --kvpress results/qwen/kvpress-8k/results.json --press tova --samples compare/kvpress/samples-qwen-8k.jsonl
 
     python compare/per_sample.py --h2o-cells results/ruler/qwen2.5-coder-0.5b/cells.jsonl --setting agnostic \
         --policy best --kvpress results/ruler/kvpress-qwen2.5-coder-0.5b-query-agnostic/results.json --press best \

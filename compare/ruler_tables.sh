@@ -10,7 +10,8 @@
 #    in is not made (the eval would compute the missing ones: hours).
 # 2. compare/side_by_side.py per setting, beside kvpress's run on the same token ids (each kvpress cell over the
 #    samples h2o-kv's ran, --match-samples; at 25 % the ten-sample cells replace the five), with the plot of the mean
-#    over the thirteen tasks against the fraction kept: results/ruler/side_by_side-MODEL-SETTING.md and .png.
+#    over the thirteen tasks against the fraction kept: results/ruler/side_by_side-MODEL-SETTING.md and .png (the
+#    0.5B's; the 1.5B has one fraction, no curve).
 set -euo pipefail
 ROOT=$(git rev-parse --show-toplevel)
 MODEL=${1:-qwen2.5-coder-0.5b}
@@ -67,7 +68,8 @@ for setting in agnostic aware; do
   prefill=$([ "$setting" = agnostic ] && echo agnostic || echo oneshot)
   theirs="results/ruler/kvpress-$MODEL-query-$setting/results.json"
   [ -e "$theirs" ] || echo "ruler_tables.sh: no kvpress run of the query-$setting setting yet: h2o-kv's side alone" >&2
+  out="results/ruler/side_by_side-$MODEL-$setting"
+  plot=$([ "$MODEL" = qwen2.5-coder-0.5b ] && echo "--plot $out.png" || true)  # the 1.5B's one fraction: no curve
   .venv/bin/python compare/side_by_side.py --prefill "$prefill" --h2o "${h2o[@]}" --match-samples \
-    --kvpress $([ -e "$theirs" ] && echo "$theirs") \
-    --out "results/ruler/side_by_side-$MODEL-$setting.md" --plot "results/ruler/side_by_side-$MODEL-$setting.png"
+    --kvpress $([ -e "$theirs" ] && echo "$theirs") --out "$out.md" $plot
 done

@@ -1,5 +1,5 @@
-"""A free TCP port on 127.0.0.1 for a server started by another process, which cannot bind port 0 and report back
-(Ray Serve's HTTP proxy, torchrun's store): the cluster server in tests and studies, the tensor-parallel tests."""
+"""`free_port`: a TCP port on 127.0.0.1 to give a server another process starts (the cluster server in tests and
+studies, torchrun in the tensor-parallel tests)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
-"""`h2o-kv serve --replicas 2` on Ray Serve, inside the test run on 127.0.0.1 (runtime/cluster): the OpenAI routes
+"""`h2o-kv serve --replicas 2` on Ray Serve as a process, inside the test run on 127.0.0.1 (runtime/cluster): one
+server (one private Ray) for the file, SIGTERMed by its last test. The OpenAI routes
 through the gateway (completions, streaming), routing to the replica with the most free KV memory, session
 stickiness, a conversation's next turn sent to the replica that kept its first (and reusing it), and a replica
 killed by its PID mid-load (its conversation answered elsewhere, prefilled again). Which replica served what is read
-from the gateway's per-replica metrics. And the command itself as a process: SIGTERM drains it and leaves no process
-of its private Ray; a start on a Ray where Serve already runs is refused. Every load loop is bounded in count and
+from the gateway's per-replica metrics. A start on a Ray where Serve already runs is refused; SIGTERM drains the server
+and leaves no process of its private Ray. Every load loop is bounded in count and
 time. The routing rule and the gateway without Ray: tests/runtime/test_cluster_routing.py."""
 
 from __future__ import annotations
@@ -26,20 +27,18 @@ openai = pytest.importorskip("openai")
 import httpx  # noqa: E402
 import psutil  # noqa: E402
 
-from h2o_kv.runtime.cluster.launch import running_cluster  # noqa: E402
 from h2o_kv.runtime.ports import free_port  # noqa: E402
-from h2o_kv.runtime.serve.requests import Limits  # noqa: E402
 
+from cluster_helpers import alive, carrying, cluster_server  # noqa: E402
 from serve_helpers import MODEL, tiny_model, wait_for  # noqa: E402
 
 # One worker runs this file (`make test`: --dist loadgroup), so one cluster serves its tests: under plain `load`
 # each worker could start its own, two private Rays at once on a two-core machine.
 pytestmark = pytest.mark.xdist_group("cluster")
 
-KV_MEMORY = 400_000  # bytes per replica
-SESSION_MEMORY = 200_000  # bytes of finished requests' caches each replica keeps for reuse (a dozen)
-ENGINE = dict(policy="h2o", budget=64, kv_memory=KV_MEMORY, max_batch=4, prefill_chunk=64,
-              session_memory=SESSION_MEMORY)  # fmt: skip
+# each replica: 400 kB of KV memory, 200 kB of it for finished requests' caches kept for reuse (a dozen)
+ENGINE = ["--policy", "h2o", "--budget", "64", "--kv-memory", "400000", "--session-memory", "200000", "--max-batch",
+          "4", "--prefill-chunk", "64"]  # fmt: skip
 # A held stream must outlive its test: 1,500 tokens of the tiny model took 5 s on a quiet core, less than a busy
 # machine's four requests through the gateway (its end then counted as a finish on the busy replica). At about 3 ms a
 # token, this many take minutes; the test hangs up long before.
@@ -70,25 +69,6 @@ def finished(url: str) -> dict[str, float]:
     return {r: m["requests_finished"] for r, m in replicas(url).items()}
 
 
-def _alive(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE  # a zombie has ended, only not reaped
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _carrying(text: str) -> list[psutil.Process]:
-    """Live processes whose command line contains `text`."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if any(text in part for part in proc.cmdline()) and _alive(proc):
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
-
-
 def _read_stream(url: str, body: dict, lines: list[str], hang_up: threading.Event | None = None) -> None:
     """Collect a stream's non-empty lines; hang up once `hang_up` is set."""
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
@@ -99,84 +79,26 @@ def _read_stream(url: str, body: dict, lines: list[str], hang_up: threading.Even
                 return
 
 
-def test_sigterm_drains_the_cluster_server_and_leaves_no_process(tmp_path, tokenizer):
-    """`h2o-kv serve --replicas 2` as a process, SIGTERM while two streams run: it drains as the one-process server
-    does (new requests 503 `shutting_down`, the short stream finishes with `data: [DONE]`; the drain ends when the
-    client of the long one hangs up), prints no native stack dump, exits 0, and leaves no process of its private Ray
-    (its processes recorded before SIGTERM, or any naming its temp dir) and no temp dir. A fresh start says nothing
-    of attaching to an existing Serve app."""
-    folder = tmp_path / "tiny"
-    tiny_model(tokenizer, context=16384).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    port = free_port()
-    cmd = [sys.executable, "-m", "h2o_kv.cli", "serve", "--model", str(folder), "--served-model-name", MODEL,
-           "--replicas", "2", "--port", str(port), "--drain-timeout", "120", "--max-new-tokens", "16000",
-           "--policy", "h2o", "--budget", "64", "--kv-memory", "4MiB"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=os.environ | {"OMP_NUM_THREADS": "1"})  # fmt: skip
-    out: list[str] = []
-    reader = threading.Thread(target=lambda: out.extend(line.rstrip() for line in proc.stdout), daemon=True)
-    reader.start()
-    started: list[psutil.Process] = []
-    temp_dir = ""
-    try:
-        wait_for(lambda: proc.poll() is not None or any("replica(s) ready at" in line for line in out), timeout=600,
-                 what="the cluster server's ready line")  # fmt: skip
-        assert proc.poll() is None, "\n".join(out)
-        (line,) = [line for line in out if "its files in " in line]
-        temp_dir = line.split("its files in ")[1].split()[0]
-        started = psutil.Process(proc.pid).children(recursive=True)
-        assert any("raylet" in p.name() for p in started) and os.path.isdir(temp_dir)
-        url = f"http://127.0.0.1:{port}"
-        short: list[str] = []
-        held: list[str] = []
-        hang_up = threading.Event()
-        body = {"model": MODEL, "prompt": "Hello", "stream": True, "ignore_eos": True}
-        streams = [
-            threading.Thread(target=_read_stream, args=(url, {**body, "max_tokens": 300}, short)),
-            threading.Thread(target=_read_stream, args=(url, {**body, "max_tokens": 16000}, held, hang_up)),
-        ]
-        for thread in streams:
-            thread.start()
-        wait_for(lambda: len(short) >= 1 and len(held) >= 1, timeout=120, what="both streams started")
-        proc.send_signal(signal.SIGTERM)
-        wait_for(lambda: httpx.get(f"{url}/health", timeout=30).status_code == 503, timeout=120,
-                 what="the server draining")  # fmt: skip
-        refused = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=30)
-        assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
-        streams[0].join(timeout=120)
-        assert short[-1] == "data: [DONE]", short[-3:]
-        assert json.loads(short[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
-        hang_up.set()  # the last request in flight goes: the drain ends
-        streams[1].join(timeout=120)
-        proc.wait(timeout=180)
-        reader.join(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=60)
-        for leftover in [p for p in started + (_carrying(temp_dir) if temp_dir else []) if _alive(p)]:
-            leftover.kill()  # a failed run leaves nothing either
-    log = "\n".join(out)
-    assert proc.returncode == 0, log
-    assert "SIGTERM received" not in log and "Traceback" not in log, log
-    assert "Connecting to existing Serve app" not in log, log
-    assert "h2o-kv serve: stopped" in out, log
-    assert not [p for p in started if _alive(p)], [(p.pid, p.name()) for p in started if _alive(p)]
-    assert not _carrying(temp_dir) and not os.path.exists(temp_dir)
-
-
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, tokenizer):
+def server(tmp_path_factory, tokenizer):
+    """The server, ready once both replicas report (one private Ray for the file: each costs a minute of both cores).
+    The file's last test SIGTERMs it; where that test did not run, so does the fixture, leaving no process."""
     folder = tmp_path_factory.mktemp("tiny-model")
     tiny_model(tokenizer, context=CONTEXT).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    limits = Limits(max_new_tokens=HOLD_TOKENS)
-    with running_cluster(str(folder), replicas=2, engine=ENGINE, limits=limits, served_name=MODEL) as url:
+    flags = ["--served-model-name", MODEL, "--replicas", "2", *ENGINE, "--max-new-tokens", str(HOLD_TOKENS),
+             "--drain-timeout", "120"]  # fmt: skip
+    with cluster_server(folder, flags) as started:
         # the gateway's router starts with its first request; then both replicas report within a second
-        assert httpx.get(f"{url}/health", timeout=60).status_code == 200
-        wait_for(lambda: len(replicas(url)) == 2, timeout=60, what="both replicas reporting")
-        yield url
+        assert httpx.get(f"{started.url}/health", timeout=60).status_code == 200
+        wait_for(lambda: len(replicas(started.url)) == 2, timeout=60, what="both replicas reporting")
+        yield started
+
+
+@pytest.fixture(scope="module")
+def cluster(server) -> str:
+    """The shared server's base URL."""
+    return server.url
 
 
 def test_this_file_runs_on_one_worker(request):
@@ -390,17 +312,61 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(cluster, tokeni
     assert client(cluster).completions.create(model=MODEL, prompt="After", max_tokens=3).usage.completion_tokens == 3
 
 
-def test_a_start_where_serve_already_runs_is_refused(cluster, tmp_path):
-    """`--ray-address` naming a Ray where Serve runs (the fixture's): one line, exit 2, and that Serve unharmed
+def test_a_start_where_serve_already_runs_is_refused(server, cluster, tmp_path):
+    """`--ray-address` naming a Ray where Serve runs (the shared server's): one line, exit 2, and that Serve unharmed
     (Serve would keep its own HTTP options: this server would not listen on its --port)."""
-    import ray
-
-    address = ray.get_runtime_context().gcs_address
+    address = server.ray_address
     cmd = [sys.executable, "-m", "h2o_kv.cli", "serve", "--model", str(tmp_path), "--replicas", "2",
            "--ray-address", address, "--port", str(free_port())]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    # the server's Ray takes clients with its token (~/.ray/auth_token) only where they are told to send it
+    env = os.environ | {"OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "token"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     last = done.stderr.strip().splitlines()[-1]
     assert done.returncode == 2, done.stderr
     assert last.startswith(f"h2o-kv: error: serve: Ray Serve already runs on the Ray cluster at {address}")
     assert "Traceback" not in done.stderr
     assert client(cluster).completions.create(model=MODEL, prompt="Still", max_tokens=3).usage.completion_tokens == 3
+
+
+def test_sigterm_drains_the_cluster_server_and_leaves_no_process(server):
+    """Last in the file: it stops the server the others share. SIGTERM while two streams run: it drains as the
+    one-process server does (new requests 503 `shutting_down`, the short stream finishes with `data: [DONE]`; the
+    drain ends when the client of the long one hangs up), prints no native stack dump, exits 0, and leaves no process
+    of its private Ray (its processes recorded before SIGTERM, or any naming its temp dir) and no temp dir. Its start
+    said nothing of attaching to an existing Serve app."""
+    proc, out, url = server.proc, server.out, server.url
+    started = psutil.Process(proc.pid).children(recursive=True)
+    assert any("raylet" in p.name() for p in started) and os.path.isdir(server.temp_dir)
+    wait_for(lambda: _running(url) == [0, 0], timeout=60, what="the replicas idle before the test")
+    short: list[str] = []
+    held: list[str] = []
+    hang_up = threading.Event()
+    body = {"model": MODEL, "prompt": "Hello", "stream": True, "ignore_eos": True}
+    streams = [
+        threading.Thread(target=_read_stream, args=(url, {**body, "max_tokens": 300}, short)),
+        threading.Thread(target=_read_stream, args=(url, {**body, "max_tokens": 16000}, held, hang_up)),
+    ]
+    try:
+        for thread in streams:
+            thread.start()
+        wait_for(lambda: len(short) >= 1 and len(held) >= 1, timeout=120, what="both streams started")
+        proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: httpx.get(f"{url}/health", timeout=30).status_code == 503, timeout=120,
+                 what="the server draining")  # fmt: skip
+        refused = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=30)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+        streams[0].join(timeout=120)
+        assert short[-1] == "data: [DONE]", short[-3:]
+        assert json.loads(short[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
+    finally:
+        hang_up.set()  # the last request in flight goes: the drain ends
+        streams[1].join(timeout=120)
+    proc.wait(timeout=180)
+    server.reader.join(timeout=30)  # its last lines
+    log = "\n".join(out)
+    assert proc.returncode == 0, log
+    assert "SIGTERM received" not in log and "Traceback" not in log, log
+    assert "Connecting to existing Serve app" not in log, log
+    assert "h2o-kv serve: stopped" in out, log
+    assert not [p for p in started if alive(p)], [(p.pid, p.name()) for p in started if alive(p)]
+    assert not carrying(server.temp_dir) and not os.path.exists(server.temp_dir)

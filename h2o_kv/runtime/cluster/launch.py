@@ -1,6 +1,6 @@
 """Start the cluster server: a Ray (a private one on 127.0.0.1, or `--ray-address`), Serve's HTTP proxy on
 --host/--port, and the gateway over `replicas` engine replicas (gateway.build); drain it and stop everything it
-started. `running_cluster` does the same for tests and the serving study, on a free loopback port.
+started.
 
 The private Ray is always a new one (`address="local"`: never a `ray start` cluster or RAY_ADDRESS) with a temp
 dir of its own. Every process it starts (GCS, raylet, agents, workers, replicas) inherits `MARK` naming that
@@ -20,11 +20,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-
-from h2o_kv.runtime.ports import free_port
 
 APP = "h2o-kv"
 MARK = "H2O_KV_RAY_DIR"  # in the environment of every process of a private Ray: its temp dir
@@ -36,6 +32,7 @@ class Cluster:
     """What `start` started, for `stop` (filled in as it goes, so a start that fails half-way is stopped)."""
 
     temp_dir: str | None = None  # the private Ray's own folder (None on a cluster given by --ray-address)
+    address: str | None = None  # the private Ray's GCS address (for `ray status --address`, or another --ray-address)
     connected: bool = False  # ray.init returned
     serve_started: bool = False  # this start started Ray Serve (so stop shuts it down)
     deployed: bool = False  # the app was handed to Serve (so it can be drained)
@@ -77,6 +74,7 @@ def start(
             ray.init(address="local", _node_ip_address="127.0.0.1", _temp_dir=cluster.temp_dir,
                      include_dashboard=False, log_to_driver=False)  # fmt: skip
             cluster.connected = True
+            cluster.address = ray.get_runtime_context().gcs_address
         finally:
             del os.environ[MARK]
     if previous is not None:  # Ray's driver took SIGTERM over (a native dump, then exit 15): given back
@@ -209,8 +207,8 @@ def serve_forever(*, drain_timeout: float = 30.0, **settings) -> None:
     try:
         start(cluster, **settings)
         if cluster.temp_dir:
-            print(f"h2o-kv serve: a private Ray on 127.0.0.1, its files in {cluster.temp_dir} (removed on stop)",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(f"h2o-kv serve: a private Ray at {cluster.address}, its files in {cluster.temp_dir} (removed on "
+                  "stop)", file=sys.stderr, flush=True)  # fmt: skip
         print(f"h2o-kv serve: {settings['replicas']} replica(s) ready at http://{settings['host']}:{settings['port']}",
               file=sys.stderr, flush=True)  # fmt: skip
         phase[0] = "serving"
@@ -231,17 +229,3 @@ def serve_forever(*, drain_timeout: float = 30.0, **settings) -> None:
             print(f"h2o-kv serve: the private Ray's logs are kept in {cluster.temp_dir}", file=sys.stderr)
         elif not failed:
             print("h2o-kv serve: stopped", file=sys.stderr, flush=True)
-
-
-@contextmanager
-def running_cluster(model: str, *, replicas: int, engine: dict, limits, api_keys=(), served_name: str = "tiny",
-                    ) -> Iterator[str]:  # fmt: skip
-    """A cluster server on a free 127.0.0.1 port (free_port): yields its base URL; stopped on exit."""
-    port = free_port()
-    cluster = Cluster()
-    try:
-        start(cluster, model, replicas=replicas, engine=engine, served_name=served_name, limits=limits,
-              api_keys=list(api_keys), port=port)  # fmt: skip
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop(cluster)

@@ -1,11 +1,11 @@
 """`h2o-kv serve --replicas 2` on Ray Serve as a process, inside the test run on 127.0.0.1 (runtime/cluster): one
-server (one private Ray) for the file, SIGTERMed by its last test. The OpenAI routes
-through the gateway (completions, streaming), routing to the replica with the most free KV memory, session
-stickiness, a conversation's next turn sent to the replica that kept its first (and reusing it), and a replica
-killed by its PID mid-load (its conversation answered elsewhere, prefilled again). Which replica served what is read
-from the gateway's per-replica metrics. A start on a Ray where Serve already runs is refused; SIGTERM drains the server
-and leaves no process of its private Ray. Every load loop is bounded in count and
-time. The routing rule and the gateway without Ray: tests/runtime/test_cluster_routing.py."""
+server (one private Ray) for the file, SIGTERMed by its last test. The OpenAI routes through the gateway
+(completions, streaming), routing to the replica with the most free KV memory, session stickiness, a conversation's
+next turn sent to the replica that kept its first (and reusing it), and a replica killed by its PID mid-load (its
+conversation answered elsewhere, prefilled again). Which replica served what is read from the gateway's per-replica
+metrics. A start on a Ray where Serve already runs is refused; SIGTERM drains the server and leaves no process of its
+private Ray. Every load loop is bounded in count and time. The routing rule and the gateway without Ray:
+tests/runtime/test_cluster_routing.py."""
 
 from __future__ import annotations
 
